@@ -1,0 +1,49 @@
+"""The prefix-cache block hash: the one definition shared by workers and the scheduler.
+
+A full KV block is identified by a chained hash of (parent block's hash, the block's token ids,
+extra keys). Chaining makes a block's hash name its whole prefix, so equal hashes mean equal KV
+contents. Extra keys (for example a per-request ``cache_salt``) separate caches that must never
+be shared. The scheduler hashes prompts with these same functions to score placement, so the
+encoding is pinned by golden vectors in tests/test_block_hash.py: changing it is a protocol
+change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+BlockHash = bytes
+
+# The parent of a sequence's first block: a fixed value rather than "no parent", so every
+# block is hashed the same way.
+ROOT_HASH: BlockHash = b"\x00" * 16
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> BlockHash:
+    """Hash of one full block: sha256 over parent, int64 little-endian token ids, extra keys; 16 bytes."""
+    h = hashlib.sha256()
+    h.update(parent)
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    for key in extra_keys:
+        encoded = key.encode("utf-8")
+        # Length-prefixed so ("ab", "c") and ("a", "bc") differ.
+        h.update(len(encoded).to_bytes(4, "little"))
+        h.update(encoded)
+    return h.digest()[:16]
+
+
+def hash_prompt_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[str] = (),
+    parent: BlockHash = ROOT_HASH,
+) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids``; a trailing partial block has none."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,148 @@
+"""Paged attention behind a small backend interface.
+
+The model runner describes a step's flat batch once (BatchLayout); a backend turns that into
+whatever metadata its kernels want (prepare, once per step) and then, per layer, writes the new
+K/V into their slots and attends over each sequence's paged context (forward). The Triton
+backend of the GPU issue implements the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from worker.kv_cache import KVCache
+
+
+@dataclass
+class BatchLayout:
+    """One step's flat batch: sequence i owns query tokens [query_start[i], query_start[i] + query_lens[i])."""
+
+    query_start: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]  # context length after this step's tokens are written
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [num_tokens] pool slot of each new token's K/V
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, layout: BatchLayout) -> object: ...
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: object) -> torch.Tensor: ...
+
+
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    block_ids: torch.Tensor | None  # None: no earlier context, attend within the chunk only
+    context_len: int
+    mask: torch.Tensor | None  # [q_len, context_len], True where attention is allowed
+
+
+@dataclass
+class _DecodeGroup:
+    token_index: torch.Tensor  # [g] rows of the flat batch
+    block_ids: torch.Tensor  # [g * blocks_per_seq]
+    padded_len: int
+    mask: torch.Tensor  # [g, 1, 1, padded_len]
+
+
+@dataclass
+class TorchMetadata:
+    slot_mapping: torch.Tensor
+    prefills: list[_Prefill]
+    decode_groups: list[_DecodeGroup]
+
+
+class TorchAttention:
+    """Paged attention from torch ops, for any device.
+
+    Single-token queries (decodes) are batched: sorted by context length and cut into groups so a
+    group pads little, each group's blocks gathered with one index_select and attended with one
+    SDPA call. Multi-token chunks (prefills) attend one sequence at a time; a chunk with no
+    earlier context needs no gather at all.
+    """
+
+    def __init__(self, block_size: int, decode_group_size: int = 32):
+        self.block_size = block_size
+        self.decode_group_size = decode_group_size
+
+    def prepare(self, layout: BatchLayout) -> TorchMetadata:
+        device = layout.slot_mapping.device
+        bs = self.block_size
+        prefills: list[_Prefill] = []
+        decodes: list[int] = []
+        for i, q_len in enumerate(layout.query_lens):
+            if q_len == 1:
+                decodes.append(i)
+                continue
+            start, ctx = layout.query_start[i], layout.seq_lens[i]
+            if ctx == q_len:
+                prefills.append(_Prefill(start, start + q_len, None, ctx, None))
+                continue
+            blocks = torch.tensor(layout.block_tables[i][: -(-ctx // bs)], device=device)
+            # Query j sits at position ctx - q_len + j and sees keys up to it.
+            rows = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+            mask = torch.arange(ctx, device=device)[None, :] <= rows
+            prefills.append(_Prefill(start, start + q_len, blocks, ctx, mask))
+
+        groups: list[_DecodeGroup] = []
+        decodes.sort(key=lambda i: layout.seq_lens[i])
+        for g0 in range(0, len(decodes), self.decode_group_size):
+            members = decodes[g0 : g0 + self.decode_group_size]
+            num_blocks = -(-layout.seq_lens[members[-1]] // bs)
+            table = [layout.block_tables[i][:num_blocks] + [0] * (num_blocks - min(num_blocks, len(layout.block_tables[i])))
+                     for i in members]
+            lens = torch.tensor([layout.seq_lens[i] for i in members], device=device)
+            padded = num_blocks * bs
+            mask = (torch.arange(padded, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            groups.append(_DecodeGroup(
+                token_index=torch.tensor([layout.query_start[i] for i in members], device=device),
+                block_ids=torch.tensor(table, device=device).flatten(),
+                padded_len=padded,
+                mask=mask,
+            ))
+        return TorchMetadata(layout.slot_mapping, prefills, groups)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: TorchMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
+        k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        out = torch.empty_like(q)
+
+        for p in metadata.prefills:
+            qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            if p.block_ids is None:
+                ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                vs = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                ks = k_pool.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[: p.context_len]
+                vs = v_pool.index_select(0, p.block_ids).view(-1, num_kv_heads, head_dim)[: p.context_len]
+                o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                                   attn_mask=p.mask, enable_gqa=True)
+            out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
+
+        for g in metadata.decode_groups:
+            n = g.token_index.numel()
+            qs = q.index_select(0, g.token_index).unsqueeze(2)  # [g, H, 1, D]
+            ks = k_pool.index_select(0, g.block_ids).view(n, g.padded_len, num_kv_heads, head_dim).transpose(1, 2)
+            vs = v_pool.index_select(0, g.block_ids).view(n, g.padded_len, num_kv_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, enable_gqa=True)
+            out.index_copy_(0, g.token_index, o.squeeze(2))
+        return out.view(num_tokens, num_heads * head_dim)
+
+
+def make_attention_backend(name: str, block_size: int) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttention(block_size)
+    raise ValueError(f"unknown attention backend {name!r}; available: torch")

@@ -1,0 +1,138 @@
+"""Batcher: builds each engine step's batch (iteration-level scheduling).
+
+Every step: running sequences first (a decode needs one token, a chunked prefill continues),
+then waiting requests are admitted as chunked prefills while the token budget
+(max_num_batched_tokens), the sequence cap (max_num_seqs) and free blocks allow. When blocks run
+out, the newest running sequence (lowest priority first under the priority policy) is preempted
+by recompute: its blocks are freed and it rejoins the front of the queue with prompt + output as
+its new prompt, which the prefix cache usually makes cheap to rebuild.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager
+from worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Batcher:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 policy: str = "fcfs"):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self.waiting: list[Sequence] = []  # kept in admission order
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if self.policy == "priority":
+            key = seq.request.sort_key
+            index = next((i for i, s in enumerate(self.waiting) if s.request.sort_key > key), len(self.waiting))
+            self.waiting.insert(index, seq)
+        else:
+            self.waiting.append(seq)
+
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+        """Place a fork right after its parent so it keeps the parent's seniority."""
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def schedule_step(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled = True
+            while not bm.allocate(seq, num_new):
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim, batch)
+                if victim is seq:
+                    scheduled = False
+                    break
+            if scheduled:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        # Admitting new work while evicting running work would just thrash.
+        if batch.num_preempted == 0:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                cached = bm.find_cached_prefix(seq)
+                num_cached = len(cached) * bm.block_size
+                num_new = min(seq.num_tokens - num_cached, budget)
+                if not bm.allocate(seq, num_new, cached):
+                    break
+                self.waiting.pop(0)
+                seq.num_computed_tokens = num_cached
+                request = seq.request
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.first_scheduled_time = time.time()
+                    request.num_cached_tokens = num_cached
+                    bm.stats.queries += seq.num_tokens
+                    bm.stats.hits += num_cached
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+
+        batch.blocks_to_copy = bm.pending_copies
+        bm.pending_copies = []
+        return batch
+
+    def _pick_victim(self) -> Sequence:
+        if self.policy == "priority":
+            return max(reversed(self.running), key=lambda s: s.request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        if seq in batch.seqs:
+            index = batch.seqs.index(seq)
+            del batch.seqs[index]
+            del batch.num_new_tokens[index]
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.request.metrics.num_preemptions += 1
+        self.waiting.insert(0, seq)
+        batch.num_preempted += 1
+        self.num_preemptions += 1

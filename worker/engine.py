@@ -1,0 +1,285 @@
+"""LLMEngine: requests in, one scheduled model step at a time, tokens out.
+
+step() = Batcher.schedule_step -> ModelRunner.execute -> append tokens, check stop conditions,
+free finished sequences' blocks. The same engine backs the offline ``LLM`` and the
+``AsyncEngine`` that the worker service wraps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.attention import make_attention_backend
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.config import EngineConfig, parse_size
+from worker.detokenizer import IncrementalDetokenizer
+from worker.kv_cache import KVCache
+from worker.model_files import resolve_model_dir
+from worker.model_loader import load_model, load_tokenizer
+from worker.model_runner import ModelRunner
+from worker.sampler import Sampler
+from worker.sampling_params import SamplingParams
+from worker.sequence import Request, Sequence, SequenceStatus
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    num_preemptions: int
+    peak_used_blocks: int
+    kv_efficiency_at_peak: float  # tokens stored / (allocated blocks x block size) at peak use
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True, **kwargs):
+        self.config = config = config or EngineConfig(**kwargs)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = _DTYPES[dtype_name]
+        self.model_dir = resolve_model_dir(config.model)
+        self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        mcfg = self.model.cfg
+        self.model_config = mcfg
+        if config.max_model_len is not None and config.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mcfg.max_position_embeddings}")
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        self.eos_token_ids = self._eos_token_ids()
+        self.detokenize = detokenize
+
+        bs = config.block_size
+        num_blocks = config.num_gpu_blocks_override or self._num_blocks_for_budget()
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
+                             "or --gpu-memory-utilization")
+        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                               config.scheduling_policy)
+        attention = make_attention_backend(config.attention_backend, bs)
+        self.runner = ModelRunner(self.model, self.kv_cache, attention, Sampler(self.eos_token_ids, config.seed),
+                                  self.device)
+        self.requests: dict[str, Request] = {}
+        self._peak_used_blocks = 0
+        self._efficiency_at_peak = 1.0
+
+    # -- set-up helpers ----------------------------------------------------------------------
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_cfg = Path(self.model_dir) / "generation_config.json"
+        if gen_cfg.exists():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def _num_blocks_for_budget(self) -> int:
+        mcfg = self.model_config
+        per_block = KVCache.bytes_per_block(mcfg.num_layers, self.config.block_size, mcfg.num_kv_heads,
+                                            mcfg.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            # Weights are loaded; keep a margin for activations of one max-size step.
+            budget = total * self.config.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - 2**30
+        else:
+            budget = parse_size(self.config.kv_cache_memory)
+        return int(budget // per_block)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the problem; nothing about a bad request reaches the batch."""
+        n = len(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but the maximum context length is {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                             f"context length {self.max_model_len}")
+        bad_ids = [t for t in list(params.stop_token_ids) + list(params.logit_bias) if t >= vocab]
+        if bad_ids:
+            raise ValueError(f"token ids {bad_ids[:5]} in stop_token_ids/logit_bias are outside the vocabulary (size {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        longest = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
+        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
+            raise ValueError(f"a sequence of up to {longest} tokens needs "
+                             f"{self.block_manager.blocks_needed(longest)} KV blocks but the pool has "
+                             f"{self.block_manager.num_blocks}; lower max_tokens or raise --kv-cache-memory")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        self.validate_request(token_ids, params)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
+                          arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
+        self._attach_detokenizer(request.seqs[0])
+        self.requests[request_id] = request
+        self.batcher.add(request.seqs[0])
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request now and free its blocks; returns it (finish_reason "abort") or None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.aborted = True
+        for seq in request.seqs:
+            if not seq.finished:
+                self.batcher.remove(seq)
+                self._finish(seq, "abort")
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _attach_detokenizer(self, seq: Sequence) -> None:
+        if self.detokenize:
+            p = seq.request.params
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop_strings, p.include_stop_str_in_output,
+                                                     p.skip_special_tokens)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """One model step. Returns the requests that got new tokens or finished."""
+        batch = self.batcher.schedule_step()
+        if not batch:
+            return []
+        self._track_kv_efficiency(batch)
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue  # a prefill chunk with more to come: nothing to sample yet
+            sample_rows.append(i)
+            sample_seqs.append(seq)
+            request = seq.request
+            if request.params.n > len(request.seqs):
+                for child in self._fork(seq, n):
+                    sample_rows.append(i)
+                    sample_seqs.append(child)
+        out = self.runner.execute(batch, sample_rows, sample_seqs)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for seq, token, logprobs in zip(sample_seqs, out.token_ids, out.logprobs):
+            request = seq.request
+            touched[request.request_id] = request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            self._append_token(seq, token, logprobs)
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+        return list(touched.values())
+
+    def _fork(self, parent: Sequence, num_new: int) -> list[Sequence]:
+        """n > 1: after the prompt's last chunk, the other samples share its blocks."""
+        request = parent.request
+        children = []
+        for index in range(len(request.seqs), request.params.n):
+            child = parent.fork(index)
+            child.num_computed_tokens = parent.num_computed_tokens + num_new
+            self.block_manager.fork(parent, child)
+            self._attach_detokenizer(child)
+            request.seqs.append(child)
+            self.batcher.add_forked(parent, child)
+            children.append(child)
+        return children
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        p = seq.request.params
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        num_out = seq.num_output_tokens
+        stop_string = seq.detokenizer.add_token(token) if seq.detokenizer else None
+        if stop_string is not None:
+            seq.stop_reason = stop_string
+            self._end(seq, "stop")
+        elif num_out >= p.min_tokens and token in p.stop_token_ids:
+            seq.stop_reason = token
+            self._end(seq, "stop")
+        elif num_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            self._end(seq, "stop")
+        elif (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            self._end(seq, "length")
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.batcher.remove(seq)
+        self._finish(seq, reason)
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _track_kv_efficiency(self, batch) -> None:
+        used = self.block_manager.num_used_blocks
+        if used <= self._peak_used_blocks:
+            return
+        bs = self.block_manager.block_size
+        scheduled = dict(zip(map(id, batch.seqs), batch.num_new_tokens))
+        # Shared full blocks count once in `used`; only each sequence's tail block can hold empty slots.
+        empty = sum(len(s.block_table) * bs - s.num_computed_tokens - scheduled.get(id(s), 0)
+                    for s in self.batcher.running)
+        self._peak_used_blocks = used
+        self._efficiency_at_peak = 1.0 - empty / (used * bs)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.batcher.running),
+            num_waiting=len(self.batcher.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            prefix_cache_evictions=bm.stats.evictions,
+            num_preemptions=self.batcher.num_preemptions,
+            peak_used_blocks=self._peak_used_blocks,
+            kv_efficiency_at_peak=self._efficiency_at_peak,
+        )

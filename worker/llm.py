@@ -1,0 +1,78 @@
+"""LLM: the offline API. ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.outputs import RequestOutput, make_request_output
+from worker.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        Every request is validated before any runs, so one bad prompt raises ValueError naming it
+        and leaves the engine untouched.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        engine = self.engine
+        token_ids = [engine.tokenize(p) for p in prompts]
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            try:
+                engine.validate_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids_in_order = []
+        for prompt, ids, p, prio in zip(prompts, token_ids, params, priorities):
+            self._counter += 1
+            request = engine.add_request(ids, p, request_id=f"offline-{self._counter}", priority=prio)
+            request.prompt = prompt if isinstance(prompt, str) else None
+            ids_in_order.append(request.request_id)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for request in engine.step():
+                    if request.finished:
+                        done[request.request_id] = make_request_output(request)
+                        bar.update(1)
+        return [done[r] for r in ids_in_order]
+
+    def chat(self, messages: list[Message] | Seq[list[Message]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # The template already holds any BOS it wants; don't add special tokens twice.
+        return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,207 @@
+"""Llama-family decoder over one flat batch of tokens from many sequences (no padding).
+
+Matches Hugging Face's LlamaForCausalLM numerically (same op order in RMSNorm, RoPE, SwiGLU),
+with Q/K/V and gate/up projections fused into one matmul each, and logits computed only for the
+rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend
+from worker.kv_cache import KVCache
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        raw = json.loads((Path(path) / "config.json").read_text())
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
+            raise ValueError(f"{path}: only Llama-family models are supported, got model_type={raw.get('model_type')!r}")
+        # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        eos = raw.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies with the config's scaling (default, linear, llama3), as transformers computes them."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None:
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, 1, D]. Rotates halves, as HF Llama does."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                kv_cache: KVCache, metadata: object) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        x = x + self.o_proj(attn.forward(layer, q, k, v, kv_cache, metadata))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache,
+                metadata: object) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch; K/V of every token land in the pool."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.embed_tokens(input_ids)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, cos, sin, attn, kv_cache, metadata)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    # Checkpoint projections that land in a fused parameter: name -> (fused name, shard index).
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str | None:
+        """Copy one HF-named checkpoint tensor into its place.
+
+        Returns the name of what it filled ("layers.3.qkv_proj.weight[1]" for a fused shard), or
+        None for a tensor this model has no place for (e.g. lm_head of a tied model).
+        """
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "layers" and len(parts) == 5:
+            # layers.N.{self_attn,mlp}.X.weight: our layers have no submodule level.
+            layer = self.layers[int(parts[1])]
+            if parts[3] in self._FUSED:
+                fused, shard = self._FUSED[parts[3]]
+                sizes = ([layer.q_size, layer.kv_size, layer.kv_size] if fused == "qkv_proj"
+                         else [self.cfg.intermediate_size] * 2)
+                offset = sum(sizes[:shard])
+                getattr(layer, fused).weight.data[offset : offset + sizes[shard]].copy_(tensor)
+                return f"layers.{parts[1]}.{fused}.weight[{shard}]"
+            parts = parts[:2] + parts[3:]
+        target = ".".join(parts)
+        if target not in params:
+            return None
+        params[target].data.copy_(tensor)
+        return target
+
+    def expected_loads(self) -> set[str]:
+        """Every name load_hf_tensor must have filled for the model to be complete."""
+        names = set()
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight"):
+                names.update(f"{name}[{i}]" for i in range(3))
+            elif name.endswith("gate_up_proj.weight"):
+                names.update(f"{name}[{i}]" for i in range(2))
+            else:
+                names.add(name)
+        return names

@@ -1,0 +1,59 @@
+"""Load weights and tokenizer from a Hugging Face-format model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from worker.model import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from worker.model_files import ModelLoadError
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Our Llama with the directory's safetensors weights, showing a progress bar over tensors."""
+    try:
+        cfg = ModelConfig.from_dir(model_dir)
+    except (KeyError, ValueError, OSError) as e:
+        raise ModelLoadError(f"{model_dir}/config.json is not a usable Llama config: {e}") from e
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weight files")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # Built on the meta device to skip random init; the RoPE buffer is computed, not loaded.
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    handles = []
+    try:
+        for f in files:
+            handles.append((f, safe_open(str(f), framework="pt", device="cpu")))
+        total = sum(len(list(h.keys())) for _, h in handles)
+        with tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor", leave=False) as bar:
+            for f, handle in handles:
+                for name in handle.keys():
+                    filled = model.load_hf_tensor(name, handle.get_tensor(name), params)
+                    if filled is not None:
+                        loaded.add(filled)
+                    bar.update(1)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # safetensors raises several types for truncated or corrupt files
+        raise ModelLoadError(f"cannot read weights from {model_dir}: {type(e).__name__}: {e}") from e
+    missing = model.expected_loads() - loaded
+    if missing:
+        raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
+    return model.eval()
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from e

@@ -1,0 +1,134 @@
+"""Sampler: next tokens for a batch of logits rows, each row with its own SamplingParams.
+
+Order of processing, as in vLLM: min_tokens ban on stop tokens, logit_bias, repetition /
+presence / frequency penalties, then greedy argmax or temperature -> top-k -> top-p -> min-p ->
+a draw. Draws use the Gumbel-style trick argmax(p / q), q ~ Exp(1), so every row can have its
+own torch.Generator: a seeded request draws the same noise whatever else is in the batch.
+Logprobs are those of the raw model distribution (before any processing), like vLLM's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: sampled token and top-N alternatives
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0):
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)  # rows without a seed
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        params = [s.request.params for s in seqs]
+        plain_greedy = all(p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None
+                           and s.num_output_tokens >= p.min_tokens for p, s in zip(params, seqs))
+        if plain_greedy:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+
+        raw = logits
+        logits = logits.clone()
+        self._apply_min_tokens(logits, seqs)
+        self._apply_logit_bias(logits, seqs)
+        self._apply_penalties(logits, seqs)
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            tokens[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list))
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, s in enumerate(seqs):
+            p = s.request.params
+            if s.num_output_tokens < p.min_tokens:
+                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, s in enumerate(seqs):
+            bias = s.request.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias.keys()), device=logits.device)
+                logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype))
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.request.params.needs_penalties]
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        for i in rows:
+            s, p = seqs[i], seqs[i].request.params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                # HF / vLLM semantics: any token seen in prompt or output is pushed towards zero.
+                seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                seen[torch.tensor(s.token_ids, device=logits.device)] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            if p.presence_penalty or p.frequency_penalty:
+                out = s.output_token_ids
+                if out:
+                    counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+                    counts.index_add_(0, torch.tensor(out, device=logits.device),
+                                      torch.ones(len(out), dtype=logits.dtype, device=logits.device))
+                    row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        device = logits.device
+        params = [s.request.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        vocab = logits.shape[1]
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if min(top_k) < vocab or min(top_p) < 1.0:
+            # Work in descending order: top-k is a prefix, top-p a cumulative-probability cut.
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:
+        out: list[dict[int, float] | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
+        if not rows:
+            return out
+        lp = torch.log_softmax(raw[rows], dim=-1)
+        max_n = max(seqs[i].request.params.logprobs for i in rows)
+        top_vals, top_ids = lp.topk(max(max_n, 1), dim=-1)
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None])[:, 0].tolist()
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            n = seqs[i].request.params.logprobs
+            entry = {tokens[i]: chosen[j]}
+            for t, v in zip(top_ids[j][:n], top_vals[j][:n]):
+                entry.setdefault(t, v)
+            out[i] = entry
+        return out

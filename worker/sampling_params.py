@@ -1,0 +1,118 @@
+"""SamplingParams: what a request asks of the sampler, validated in one place.
+
+Torch-free on purpose: the gateway imports it to reject bad requests at the edge with the same
+rules the engine applies. Field names and defaults follow vLLM's ``SamplingParams`` so users'
+code carries over. Checks that need the model (vocabulary size, context length) live in
+``worker.engine.LLMEngine.validate_request``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-N alternatives per generated token, besides the chosen one
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check()
+        if isinstance(self.stop, str):
+            self.stop_strings = (self.stop,)
+        else:
+            self.stop_strings = tuple(self.stop or ())
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def _check(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            fail(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                fail(f"{name} must be in [-2, 2], got {value!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            fail(f"seed must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None:
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+                fail(f"stop must be a string or a list of strings, got {self.stop!r}")
+            if any(s == "" for s in stops):
+                fail("stop strings must not be empty")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+        ):
+            fail(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(_as_int(token)) or _as_int(token) < 0 or not _is_number(bias):
+                    fail(f"logit_bias entries must be token id -> number, got {token!r}: {bias!r}")
+                if not -100 <= bias <= 100:
+                    fail(f"logit_bias values must be in [-100, 100], got {bias!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _as_int(token: object) -> object:
+    """JSON object keys arrive as strings; accept "123" as token 123."""
+    if isinstance(token, str) and token.isdigit():
+        return int(token)
+    return token

@@ -1,0 +1,121 @@
+"""Request and Sequence: the engine's per-request state.
+
+A Request is what a client asked for; it owns one Sequence per sample (n > 1 forks the prompt's
+sequence after prefill). A Sequence is a token list plus how much of it has KV in the pool.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.block_hash import BlockHash
+from worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index  # which of the request's n samples
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0  # tokens whose K/V are in the pool
+        self.block_table: list[int] = []
+        self.block_hashes: list[BlockHash] = []  # chained hashes of the full blocks of token_ids
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if request.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(request.params.seed + index)
+        self.detokenizer = None  # set by the engine when it returns text
+        self.num_emitted_tokens = 0  # tokens already handed to a streaming consumer
+        self.num_emitted_chars = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int) -> "Sequence":
+        """A sibling sample sharing this sequence's tokens; its blocks are shared by the block manager."""
+        child = Sequence(self.request, index, list(self.token_ids), self.num_prompt_tokens)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_blocks = self.num_cached_blocks
+        child.status = self.status
+        return child
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    cache_salt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
+    aborted: bool = False
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.seqs = [Sequence(self, 0, list(self.prompt_token_ids), len(self.prompt_token_ids))]
+
+    @property
+    def extra_keys(self) -> tuple[str, ...]:
+        return (self.cache_salt,) if self.cache_salt else ()
+
+    @property
+    def finished(self) -> bool:
+        # Before the fork (n > 1) only the first sequence exists; it finishing alone ends the
+        # request only when it was aborted.
+        return all(s.finished for s in self.seqs) and (self.aborted or len(self.seqs) == self.params.n)
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
