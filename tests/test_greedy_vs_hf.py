@@ -1,0 +1,130 @@
+"""Invariant 1: greedy output equals Hugging Face transformers token for token, whatever the
+batch composition, chunking, prefix caching or preemption (up to shown near-ties)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import assert_all_blocks_free
+from worker import LLM, SamplingParams
+
+
+def tiny_prompts(tokenizer) -> list[list[int]]:
+    texts = [
+        "Return a new dictionary object",
+        "The module provides",
+        "x",
+        "A list of tuples with the name and value of each attribute of the object, sorted by name. " * 3,
+        "Inspect live objects: modules, classes, methods, functions, tracebacks, frame objects and code objects. " * 6,
+        "Wrap the text so every line is at most width characters long.",
+    ]
+    return [tokenizer.encode(t) for t in texts]
+
+
+TINY_NEW = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=TINY_NEW, ignore_eos=True)
+
+
+def run(llm: LLM, prompts, params=GREEDY):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_all_blocks_free(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts_ids(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return tiny_prompts(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+
+
+def check_all(ref, prompts, outputs, max_new=TINY_NEW, stop_at_eos=False):
+    for prompt, ours in zip(prompts, outputs):
+        ref.assert_matches(prompt, ours, max_new, stop_at_eos=stop_at_eos)
+
+
+def test_tiny_single_request(tiny_model_dir, tiny_ref, tiny_prompts_ids):
+    llm = LLM(str(tiny_model_dir))
+    for prompt in tiny_prompts_ids:
+        check_all(tiny_ref, [prompt], run(llm, [prompt]))
+
+
+def test_tiny_mixed_batch(tiny_model_dir, tiny_ref, tiny_prompts_ids):
+    llm = LLM(str(tiny_model_dir))
+    outputs = run(llm, tiny_prompts_ids)
+    assert llm.engine.stats().num_preemptions == 0
+    check_all(tiny_ref, tiny_prompts_ids, outputs)
+
+
+def test_tiny_chunked_prefill(tiny_model_dir, tiny_ref, tiny_prompts_ids):
+    # A 7-token budget splits every long prompt into many chunks, interleaved with decodes.
+    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=7)
+    check_all(tiny_ref, tiny_prompts_ids, run(llm, tiny_prompts_ids))
+
+
+def test_tiny_prefix_caching(tiny_model_dir, tiny_ref, tiny_prompts_ids):
+    shared = tiny_prompts_ids[4]  # long enough for several full blocks
+    prompts = [shared + p for p in tiny_prompts_ids[:4]]
+    llm = LLM(str(tiny_model_dir), block_size=16)
+    first = run(llm, prompts[:1])
+    rest = run(llm, prompts[1:])
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits >= 3 * (len(shared) // 16) * 16
+    check_all(tiny_ref, prompts, first + rest)
+
+
+def test_tiny_preemption(tiny_model_dir, tiny_ref, tiny_prompts_ids):
+    # Every prompt fits alone, but not all at once: the newest get preempted and recomputed.
+    longest = max(len(p) for p in tiny_prompts_ids) + TINY_NEW
+    num_blocks = -(-longest // 4) + 4
+    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks_override=num_blocks)
+    outputs = run(llm, tiny_prompts_ids)
+    assert llm.engine.stats().num_preemptions > 0
+    check_all(tiny_ref, tiny_prompts_ids, outputs)
+
+
+def test_tiny_preemption_with_prefix_caching_off(tiny_model_dir, tiny_ref, tiny_prompts_ids):
+    longest = max(len(p) for p in tiny_prompts_ids) + TINY_NEW
+    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks_override=-(-longest // 4) + 4,
+              enable_prefix_caching=False, max_num_batched_tokens=16)
+    outputs = run(llm, tiny_prompts_ids)
+    assert llm.engine.stats().num_preemptions > 0
+    check_all(tiny_ref, tiny_prompts_ids, outputs)
+
+
+# SmolLM2-135M end to end: real chat prompts, natural EOS.
+
+SMOL_NEW = 20
+SMOL_GREEDY = SamplingParams(temperature=0, max_tokens=SMOL_NEW)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    return LLM(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def smol_prompts(smol):
+    questions = ["What is the capital of France?", "Write a haiku about the sea.",
+                 "Explain in one sentence what a hash table is. " * 4, "List three prime numbers."]
+    return [smol.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+
+
+def test_smollm2_single_and_mixed_batch(smol, smollm2_ref, smol_prompts):
+    alone = run(smol, smol_prompts[:1], SMOL_GREEDY)
+    mixed = run(smol, smol_prompts, SMOL_GREEDY)
+    check_all(smollm2_ref, smol_prompts[:1], alone, SMOL_NEW, stop_at_eos=True)
+    check_all(smollm2_ref, smol_prompts, mixed, SMOL_NEW, stop_at_eos=True)
+
+
+def test_smollm2_chunked_prefix_cached_preempted(smollm2_dir, smollm2_ref, smol_prompts):
+    # Tiny token budget, tiny pool, prefix caching on: every mechanism in one run.
+    longest = max(len(p) for p in smol_prompts) + SMOL_NEW
+    llm = LLM(str(smollm2_dir), block_size=16, max_num_batched_tokens=32, num_gpu_blocks_override=-(-longest // 16) + 3)
+    outputs = run(llm, smol_prompts, SMOL_GREEDY)
+    again = run(llm, smol_prompts, SMOL_GREEDY)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    check_all(smollm2_ref, smol_prompts, outputs, SMOL_NEW, stop_at_eos=True)
+    check_all(smollm2_ref, smol_prompts, again, SMOL_NEW, stop_at_eos=True)

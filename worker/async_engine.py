@@ -1,0 +1,131 @@
+"""AsyncEngine: the LLMEngine behind asyncio, for the worker service.
+
+One background task owns the engine. Steps run in a dedicated thread so the event loop stays
+free for I/O; requests and aborts queue up on the loop and are applied between steps, so the
+engine is only ever touched by one step at a time. Each generate() call is an async iterator of
+incremental outputs (delta=True: only new tokens and text per item). Leaving the iterator early
+(client gone, task cancelled) aborts the request, which frees its blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.outputs import RequestOutput, make_request_output
+from worker.sampling_params import SamplingParams
+from worker.sequence import Request
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; no request on this engine can make progress."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True, **kwargs):
+        self.engine = LLMEngine(config, detokenize=detokenize, **kwargs)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._queues: dict[str, tuple[asyncio.Queue, bool]] = {}
+        self._pending: list[tuple[str, object]] = []  # ("add", kwargs) / ("abort", request_id)
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                       delta: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request. Raises ValueError at once for a bad request."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine step loop failed: {self._error!r}")
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.engine.tokenize(prompt)
+        self.engine.validate_request(token_ids, params)
+        self._ensure_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (queue, delta)
+        self._pending.append(("add", dict(prompt=token_ids, params=params, request_id=request_id,
+                                          priority=priority, cache_salt=cache_salt,
+                                          text=prompt if isinstance(prompt, str) else None)))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"engine step loop failed: {item!r}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step runs."""
+        if self._queues.pop(request_id, None) is not None:
+            self._pending.append(("abort", request_id))
+            if self._wakeup is not None:
+                self._wakeup.set()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for kind, payload in pending:
+            if kind == "abort":
+                self.engine.abort_request(payload)
+                continue
+            request_id = payload["request_id"]
+            if request_id not in self._queues:
+                continue  # aborted before it was ever added
+            text = payload.pop("text")
+            request = self.engine.add_request(**payload)
+            request.prompt = text
+
+    def _publish(self, requests: list[Request]) -> None:
+        for request in requests:
+            entry = self._queues.get(request.request_id)
+            if entry is None:
+                continue
+            queue, delta = entry
+            queue.put_nowait(make_request_output(request, delta=delta))
+            if request.finished:
+                del self._queues[request.request_id]
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                touched = await loop.run_in_executor(self._executor, self.engine.step)
+                self._publish(touched)
+        except Exception as e:  # a bug or device failure: fail every stream rather than hang them
+            self._error = e
+            for queue, _ in self._queues.values():
+                queue.put_nowait(e)
+            self._queues.clear()
+            raise
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._executor.shutdown(wait=True)
