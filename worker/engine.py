@@ -106,7 +106,9 @@ class LLMEngine:
             budget = total * self.config.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - 2**30
         else:
             budget = parse_size(self.config.kv_cache_memory)
-        return int(budget // per_block)
+        # Blocks beyond what max_num_seqs full-length sequences could hold would never be used.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return min(int(budget // per_block), useful)
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""AsyncEngine: streamed deltas add up to the offline result; aborts free blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.conftest import assert_all_blocks_free
+from worker import LLM, AsyncEngine, SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+
+
+def test_stream_deltas_equal_offline_output(tiny_model_dir):
+    prompts = [[5, 6, 7, 8], [100, 101, 102] * 10, [42]]
+    offline = LLM(str(tiny_model_dir)).generate(prompts, PARAMS, use_tqdm=False)
+
+    async def main():
+        engine = AsyncEngine(model=str(tiny_model_dir))
+
+        async def one(prompt):
+            tokens, text, finals = [], "", []
+            async for out in engine.generate(prompt, PARAMS):
+                tokens += out.outputs[0].token_ids
+                text += out.outputs[0].text
+                finals.append(out.finished)
+            return tokens, text, finals, out
+
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        await engine.shutdown()
+        return results
+
+    for (tokens, text, finals, last), ref in zip(asyncio.run(main()), offline):
+        assert tokens == ref.outputs[0].token_ids
+        assert text == ref.outputs[0].text
+        assert finals[-1] and not any(finals[:-1])
+        m = last.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert last.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks_and_others_finish(tiny_model_dir):
+    async def main():
+        engine = AsyncEngine(model=str(tiny_model_dir))
+        long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+        async def leave_early():
+            seen = 0
+            async for out in engine.generate([9] * 40, long):
+                seen += len(out.outputs[0].token_ids)
+                if seen >= 3:
+                    break  # the client is gone: closing the iterator aborts the request
+            return seen
+
+        async def finish():
+            return [o async for o in engine.generate([5, 6, 7], PARAMS, delta=False)][-1]
+
+        seen, done = await asyncio.gather(leave_early(), finish())
+        assert seen >= 3
+        assert done.finished and done.outputs[0].finish_reason == "length"
+        deadline = time.monotonic() + 10
+        bm = engine.engine.block_manager
+        while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert_all_blocks_free(engine.engine)
+        assert not engine.engine.has_unfinished_requests()
+
+        # An explicit abort by id works the same way.
+        gen = engine.generate([9] * 10, long, request_id="to-abort")
+        first = await gen.__anext__()
+        assert not first.finished
+        engine.abort("to-abort")
+        deadline = time.monotonic() + 10
+        while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert_all_blocks_free(engine.engine)
+        await gen.aclose()
+        await engine.shutdown()
+
+    asyncio.run(main())
