@@ -49,8 +49,9 @@ def test_tiny_single_request(tiny_model_dir, tiny_ref, tiny_prompts_ids):
         check_all(tiny_ref, [prompt], run(llm, [prompt]))
 
 
-def test_tiny_mixed_batch(tiny_model_dir, tiny_ref, tiny_prompts_ids):
-    llm = LLM(str(tiny_model_dir))
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_tiny_mixed_batch(tiny_model_dir, tiny_ref, tiny_prompts_ids, backend):
+    llm = LLM(str(tiny_model_dir), attention_backend=backend)
     outputs = run(llm, tiny_prompts_ids)
     assert llm.engine.stats().num_preemptions == 0
     check_all(tiny_ref, tiny_prompts_ids, outputs)

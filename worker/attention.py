@@ -73,13 +73,15 @@ class TorchAttention:
         self.decode_group_size = decode_group_size
 
     def prepare(self, layout: BatchLayout) -> TorchMetadata:
+        decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
+        return TorchMetadata(layout.slot_mapping, self._prepare_prefills(layout), self._prepare_decodes(layout, decodes))
+
+    def _prepare_prefills(self, layout: BatchLayout) -> list[_Prefill]:
         device = layout.slot_mapping.device
         bs = self.block_size
         prefills: list[_Prefill] = []
-        decodes: list[int] = []
         for i, q_len in enumerate(layout.query_lens):
             if q_len == 1:
-                decodes.append(i)
                 continue
             start, ctx = layout.query_start[i], layout.seq_lens[i]
             if ctx == q_len:
@@ -90,9 +92,13 @@ class TorchAttention:
             rows = torch.arange(ctx - q_len, ctx, device=device)[:, None]
             mask = torch.arange(ctx, device=device)[None, :] <= rows
             prefills.append(_Prefill(start, start + q_len, blocks, ctx, mask))
+        return prefills
 
+    def _prepare_decodes(self, layout: BatchLayout, decodes: list[int]) -> list[_DecodeGroup]:
+        device = layout.slot_mapping.device
+        bs = self.block_size
         groups: list[_DecodeGroup] = []
-        decodes.sort(key=lambda i: layout.seq_lens[i])
+        decodes = sorted(decodes, key=lambda i: layout.seq_lens[i])
         for g0 in range(0, len(decodes), self.decode_group_size):
             members = decodes[g0 : g0 + self.decode_group_size]
             num_blocks = -(-layout.seq_lens[members[-1]] // bs)
@@ -107,19 +113,30 @@ class TorchAttention:
                 padded_len=padded,
                 mask=mask,
             ))
-        return TorchMetadata(layout.slot_mapping, prefills, groups)
+        return groups
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: TorchMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
-        k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        k_pool, v_pool = self.write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
+        self._prefill_attention(q, k, v, k_pool, v_pool, metadata.prefills, out)
+        self._decode_attention(q, k_pool, v_pool, metadata.decode_groups, out)
+        return out.view(num_tokens, num_heads * head_dim)
 
-        for p in metadata.prefills:
+    @staticmethod
+    def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor):
+        """Store this step's K/V in their slots; returns the layer's (k_pool, v_pool)."""
+        k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
+        k_pool.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_pool.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        return k_pool, v_pool
+
+    @staticmethod
+    def _prefill_attention(q, k, v, k_pool, v_pool, prefills: list[_Prefill], out: torch.Tensor) -> None:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        for p in prefills:
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
             if p.block_ids is None:
                 ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
@@ -132,17 +149,26 @@ class TorchAttention:
                                                    attn_mask=p.mask, enable_gqa=True)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
 
-        for g in metadata.decode_groups:
+    @staticmethod
+    def _decode_attention(q, k_pool, v_pool, groups: list[_DecodeGroup], out: torch.Tensor) -> None:
+        num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+        for g in groups:
             n = g.token_index.numel()
             qs = q.index_select(0, g.token_index).unsqueeze(2)  # [g, H, 1, D]
             ks = k_pool.index_select(0, g.block_ids).view(n, g.padded_len, num_kv_heads, head_dim).transpose(1, 2)
             vs = v_pool.index_select(0, g.block_ids).view(n, g.padded_len, num_kv_heads, head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, enable_gqa=True)
             out.index_copy_(0, g.token_index, o.squeeze(2))
-        return out.view(num_tokens, num_heads * head_dim)
 
 
-def make_attention_backend(name: str, block_size: int) -> AttentionBackend:
-    if name == "torch":
+def make_attention_backend(name: str, block_size: int, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """auto: the compiled CPU kernel for float32 on CPU when it builds, else torch."""
+    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32:
+        from worker.cpu_attention import CpuAttention, load_cpu_kernel
+
+        if load_cpu_kernel(required=name == "cpu") is not None:
+            return CpuAttention(block_size)
+    if name in ("auto", "torch"):
         return TorchAttention(block_size)
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    raise ValueError(f"attention backend {name!r} is not available on {device.type} with {dtype}; "
+                     "choose auto or torch")

@@ -34,7 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: compiled CPU kernel on CPU (float32), torch otherwise
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -73,7 +73,8 @@ class EngineConfig:
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                        help="reuse KV blocks of shared prompt prefixes")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=["torch"])
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch"],
+                       help="paged attention implementation (auto: compiled CPU kernel on CPU, else torch)")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
 
     @classmethod

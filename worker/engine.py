@@ -77,7 +77,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                config.scheduling_policy)
-        attention = make_attention_backend(config.attention_backend, bs)
+        attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, attention, Sampler(self.eos_token_ids, config.seed),
                                   self.device)
         self.requests: dict[str, Request] = {}

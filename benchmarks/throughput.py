@@ -1,0 +1,275 @@
+"""Offline throughput: this engine vs transformers ``generate`` (static batches) vs transformers'
+continuous batching (``generate_batch``), on one chat workload, the same model and the same threads.
+
+Every peer gets the same token-id prompts, decodes greedily up to ``--max-tokens`` new tokens and
+stops at the model's EOS. Output tokens are counted the same way for all: the generated tokens up
+to and including the first EOS, capped at ``--max-tokens``. Only generation is timed; model loading
+and a one-request warm-up are not.
+
+    python benchmarks/throughput.py [--num-requests 64] [--max-tokens 128] [--json-out out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from tqdm.auto import tqdm
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig,
+                          GenerationConfig)
+
+from benchmarks.workload import build_chat_workload
+from worker import LLM, SamplingParams
+from worker.config import EngineConfig
+from worker.model_files import resolve_model_dir
+
+PEERS = ("engine", "hf-static", "hf-cb")
+WARMUP_TEXT = "Warm-up request: say hello."
+
+
+@dataclass
+class PeerResult:
+    """One peer's run: the outputs (trimmed at the first EOS) and the seconds spent generating."""
+
+    peer: str
+    outputs: list[list[int]]
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+def trim_output(ids: list[int], eos_ids: set[int], max_tokens: int) -> list[int]:
+    """Generated ids up to and including the first EOS, capped at max_tokens."""
+    ids = list(ids[:max_tokens])
+    for i, tok in enumerate(ids):
+        if tok in eos_ids:
+            return ids[: i + 1]
+    return ids
+
+
+def eos_token_ids(model_dir: Path) -> list[int]:
+    """The model's EOS ids, from config.json and generation_config.json (as the engine reads them)."""
+    ids: set[int] = set()
+    sources = [AutoConfig.from_pretrained(model_dir)]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_dir))
+    except OSError:  # no generation_config.json
+        pass
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if not ids:
+        raise ValueError(f"{model_dir} names no eos_token_id; this benchmark needs natural EOS stops")
+    return sorted(ids)
+
+
+def greedy_config(max_tokens: int, eos_ids: list[int], pad_id: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id)
+
+
+def load_hf_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
+               eos_ids: set[int]) -> PeerResult:
+    """metroserve's LLM.generate over all prompts at once; reports KV efficiency and prefix-cache hits."""
+    llm = LLM(model=model)
+    llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    before = llm.engine.stats()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    after = llm.engine.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    extra = {
+        "kv_efficiency_at_peak": after.kv_efficiency_at_peak,
+        "peak_used_blocks": after.peak_used_blocks,
+        "num_total_blocks": after.num_total_blocks,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+    }
+    outputs = [trim_output(list(o.outputs[0].token_ids), eos_ids, max_tokens) for o in outs]
+    return PeerResult("engine", outputs, seconds, extra)
+
+
+def run_hf_static(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_tokens: int,
+                  eos_ids: list[int], pad_id: int, batch_size: int) -> PeerResult:
+    """transformers generate on left-padded static batches of batch_size, in request order."""
+    model = load_hf_model(model_dir)
+    config = greedy_config(max_tokens, eos_ids, pad_id)
+
+    def generate(batch: list[list[int]], gen_config: GenerationConfig) -> list[list[int]]:
+        width = max(map(len, batch))
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
+        return out[:, width:].tolist()  # drop the (left-padded) prompt columns
+
+    generate([warmup], greedy_config(4, eos_ids, pad_id))
+    outputs: list[list[int]] = []
+    seconds = 0.0
+    with tqdm(total=len(prompts), desc="hf-static", unit="req") as bar:
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i:i + batch_size]
+            start = time.perf_counter()
+            generated = generate(batch, config)
+            seconds += time.perf_counter() - start
+            outputs += [trim_output(ids, set(eos_ids), max_tokens) for ids in generated]
+            bar.update(len(batch))
+    return PeerResult("hf-static", outputs, seconds, {"batch_size": batch_size})
+
+
+def cb_config(prompts: list[list[int]], max_tokens: int, seed: int) -> ContinuousBatchingConfig:
+    """Continuous-batching settings for CPU, matched to the engine's defaults.
+
+    Pages of the engine's block size (16 tokens, not the default 256, which strands ~128 tokens per
+    request); a batch budget equal to the engine's max_num_batched_tokens; and a pool that holds the
+    whole workload at once (as the engine's 4GiB pool does), since on CPU transformers would
+    otherwise size the pool from 90% of free host RAM.
+    """
+    engine_defaults = EngineConfig()
+    page = engine_defaults.block_size
+    num_blocks = sum(math.ceil((len(p) + max_tokens) / page) for p in prompts)
+    return ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks,
+                                    max_batch_tokens=engine_defaults.max_num_batched_tokens, seed=seed)
+
+
+def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_tokens: int,
+              eos_ids: list[int], pad_id: int, seed: int) -> PeerResult:
+    """transformers' continuous batching (generate_batch) with its CPU attention, SDPA over a paged cache."""
+    model = load_hf_model(model_dir)
+    config = greedy_config(max_tokens, eos_ids, pad_id)
+    cb = cb_config(prompts, max_tokens, seed)
+    model.generate_batch(inputs=[warmup], generation_config=greedy_config(4, eos_ids, pad_id),
+                         continuous_batching_config=cb_config([warmup], 4, seed))
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
+                                   progress_bar=True)
+    seconds = time.perf_counter() - start
+    done = list(results.values())  # in input order
+    failed = [r.request_id for r in done if r.error is not None]
+    if len(done) != len(prompts) or failed:
+        raise RuntimeError(f"generate_batch finished {len(done)}/{len(prompts)} requests; failed: {failed}")
+    outputs = [trim_output(r.generated_tokens, set(eos_ids), max_tokens) for r in done]
+    extra = {"attn_implementation": model.config._attn_implementation, "page_size": cb.page_size,
+             "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens}
+    return PeerResult("hf-cb", outputs, seconds, extra)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF-format model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-requests", type=int, default=64, help="chat requests in the workload")
+    parser.add_argument("--max-tokens", type=int, default=128, help="most new tokens per request")
+    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static peer")
+    parser.add_argument("--json-out", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    peers = report["peers"]
+    print(f"\nmodel {report['model_dir']}  torch threads {report['torch_threads']}  "
+          f"requests {report['num_requests']}  prompt tokens {report['prompt_tokens']} "
+          f"({report['prompt_len_min']}-{report['prompt_len_max']})  max new tokens {report['max_tokens']}")
+    print(f"{'peer':<10} {'requests':>8} {'out tok':>8} {'seconds':>9} {'out tok/s':>10} {'engine/peer':>12}")
+    for name, p in peers.items():
+        ratio = f"{p['engine_over_peer']:.2f}x" if "engine_over_peer" in p else "-"
+        print(f"{name:<10} {p['requests']:>8} {p['output_tokens']:>8} {p['seconds']:>9.1f} "
+              f"{p['tokens_per_s']:>10.1f} {ratio:>12}")
+    if "engine" in peers:
+        e = peers["engine"]
+        print(f"engine: KV efficiency at peak {e['kv_efficiency_at_peak']:.3f} (target >= 0.96, "
+              f"{e['peak_used_blocks']}/{e['num_total_blocks']} blocks), preemptions {e['num_preemptions']}, "
+              f"prefix-cache hits {e['prefix_cache_hits']}/{e['prefix_cache_queries']} prompt tokens "
+              f"({e['prefix_cache_hit_rate']:.1%})")
+    for name, same in report["identical_to_engine"].items():
+        print(f"greedy outputs token-identical, engine vs {name}: {same}/{report['num_requests']}")
+    print(f"wall time (loads, warm-ups and all peers): {report['wall_seconds']:.0f}s")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the selected peers on one workload, print the table and return the results."""
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown or not peers:
+        raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
+    wall_start = time.perf_counter()
+    model_dir = resolve_model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos_ids = eos_token_ids(model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    prompts = build_chat_workload(tokenizer, num_requests=args.num_requests, seed=args.seed)
+    warmup = tokenizer.encode(WARMUP_TEXT, add_special_tokens=False)
+    print(f"torch threads: {torch.get_num_threads()}; {len(prompts)} prompts, "
+          f"{sum(map(len, prompts))} prompt tokens; peers: {', '.join(peers)}")
+
+    results: dict[str, PeerResult] = {}
+    for peer in peers:
+        print(f"== {peer}", flush=True)
+        if peer == "engine":
+            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, set(eos_ids))
+        elif peer == "hf-static":
+            results[peer] = run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id,
+                                          args.hf_batch_size)
+        else:
+            results[peer] = run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed)
+
+    engine = results.get("engine")
+    report: dict[str, Any] = {
+        "model_dir": str(model_dir), "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
+        "max_tokens": args.max_tokens, "seed": args.seed, "prompt_tokens": sum(map(len, prompts)),
+        "prompt_len_min": min(map(len, prompts)), "prompt_len_max": max(map(len, prompts)), "peers": {},
+        "identical_to_engine": {},
+    }
+    for name, r in results.items():
+        entry = {"requests": len(r.outputs), "output_tokens": r.output_tokens, "seconds": r.seconds,
+                 "tokens_per_s": r.tokens_per_s, **r.extra}
+        if engine is not None:
+            entry["engine_over_peer"] = engine.tokens_per_s / r.tokens_per_s
+            if r is not engine:
+                same = sum(a == b for a, b in zip(engine.outputs, r.outputs))
+                report["identical_to_engine"][name] = same
+        report["peers"][name] = entry
+    report["wall_seconds"] = time.perf_counter() - wall_start
+    _print_report(report)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Attention backends agree: the compiled CPU kernel against the torch (SDPA) backend."""
+
+import pytest
+import torch
+
+from worker.attention import BatchLayout, TorchAttention
+from worker.cpu_attention import CpuAttention, load_cpu_kernel
+from worker.kv_cache import KVCache
+
+
+def random_layout(rng: torch.Generator, num_blocks: int, bs: int, query_lens: list[int], context_lens: list[int]):
+    perm = torch.randperm(num_blocks, generator=rng).tolist()
+    tables, slots, starts, pos = [], [], [], 0
+    for q_len, ctx in zip(query_lens, context_lens):
+        n = -(-ctx // bs)
+        table, perm = perm[:n], perm[n:]
+        tables.append(table)
+        starts.append(pos)
+        pos += q_len
+        for p in range(ctx - q_len, ctx):
+            slots.append(table[p // bs] * bs + p % bs)
+    return BatchLayout(starts, list(query_lens), list(context_lens), tables, torch.tensor(slots))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32)])
+def test_cpu_kernel_matches_torch_backend(num_heads, num_kv_heads, head_dim):
+    if load_cpu_kernel() is None:
+        pytest.skip("no C++ toolchain for the CPU kernel")
+    rng = torch.Generator().manual_seed(num_heads)
+    bs, num_blocks = 16, 200
+    cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    cache.k.normal_(generator=rng)
+    cache.v.normal_(generator=rng)
+    # Decodes with assorted context lengths (1, block edges, long), plus prefill chunks with and without context.
+    query_lens = [1, 1, 1, 1, 1, 7, 33, 1]
+    context_lens = [1, 16, 17, 300, 129, 7, 80, 2]
+    layout = random_layout(rng, num_blocks, bs, query_lens, context_lens)
+    total = sum(query_lens)
+    q = torch.randn(total, num_heads, head_dim, generator=rng)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=rng)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=rng)
+    torch_backend, cpu_backend = TorchAttention(bs, decode_group_size=3), CpuAttention(bs)
+    cache_copy = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    cache_copy.k.copy_(cache.k)
+    cache_copy.v.copy_(cache.v)
+    expected = torch_backend.forward(0, q, k, v, cache, torch_backend.prepare(layout))
+    got = cpu_backend.forward(0, q, k, v, cache_copy, cpu_backend.prepare(layout))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert torch.equal(cache.k, cache_copy.k) and torch.equal(cache.v, cache_copy.v)
