@@ -120,7 +120,7 @@ class TorchAttention:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
         k_pool, v_pool = self.write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._prefill_attention(q, k, v, k_pool, v_pool, metadata.prefills, out)
         self._decode_attention(q, k_pool, v_pool, metadata.decode_groups, out)
         return out.view(num_tokens, num_heads * head_dim)

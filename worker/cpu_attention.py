@@ -73,7 +73,7 @@ class CpuAttention(TorchAttention):
                 metadata: CpuMetadata) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         k_pool, v_pool = self.write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._prefill_attention(q, k, v, k_pool, v_pool, metadata.prefills, out)
         if metadata.decode_index.numel():
             qd = q.index_select(0, metadata.decode_index)

@@ -100,17 +100,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, 1, D]. Rotates halves, as HF Llama does."""
+    """Rotary embedding of x [T, heads, D] in HF Llama's half-split layout; cos, sin: [T, 1, D/2].
+
+    x1 * cos - x2 * sin | x2 * cos + x1 * sin is exactly HF's x * cos + rotate_half(x) * sin
+    (cos and sin repeat across the halves there), written into one output without the concat.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, cos, out=out[..., :half])
+    out[..., :half] -= x2 * sin
+    torch.mul(x2, cos, out=out[..., half:])
+    out[..., half:] += x1 * sin
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -129,15 +135,15 @@ class DecoderLayer(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
                 kv_cache: KVCache, metadata: object) -> torch.Tensor:
         t = x.shape[0]
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        # Q and K are adjacent in the fused output: one RoPE pass rotates both.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                        cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         x = x + self.o_proj(attn.forward(layer, q, k, v, kv_cache, metadata))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,9 +160,8 @@ class LlamaForCausalLM(nn.Module):
                 metadata: object) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch; K/V of every token land in the pool."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(input_ids)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        cos, sin = freqs.cos().to(x.dtype)[:, None, :], freqs.sin().to(x.dtype)[:, None, :]
         for i, layer in enumerate(self.layers):
             x = layer(i, x, cos, sin, attn, kv_cache, metadata)
         return x
