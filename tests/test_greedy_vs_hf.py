@@ -101,31 +101,50 @@ SMOL_GREEDY = SamplingParams(temperature=0, max_tokens=SMOL_NEW)
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
-    return LLM(str(smollm2_dir))
+    return LLM(str(smollm2_dir), kv_cache_memory="512MiB")
+
+
+SMOL_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+                  "Explain in one sentence what a hash table is. " * 4, "List three prime numbers."]
 
 
 @pytest.fixture(scope="module")
 def smol_prompts(smol):
-    questions = ["What is the capital of France?", "Write a haiku about the sea.",
-                 "Explain in one sentence what a hash table is. " * 4, "List three prime numbers."]
-    return [smol.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    return [smol.apply_chat_template([{"role": "user", "content": q}]) for q in SMOL_QUESTIONS]
 
 
-def test_smollm2_single_and_mixed_batch(smol, smollm2_ref, smol_prompts):
-    alone = run(smol, smol_prompts[:1], SMOL_GREEDY)
-    mixed = run(smol, smol_prompts, SMOL_GREEDY)
-    check_all(smollm2_ref, smol_prompts[:1], alone, SMOL_NEW, stop_at_eos=True)
-    check_all(smollm2_ref, smol_prompts, mixed, SMOL_NEW, stop_at_eos=True)
+def test_smollm2_single_request(smol, smollm2_ref, smol_prompts):
+    for prompt in smol_prompts[:2]:
+        check_all(smollm2_ref, [prompt], run(smol, [prompt], SMOL_GREEDY), SMOL_NEW, stop_at_eos=True)
 
 
-def test_smollm2_chunked_prefix_cached_preempted(smollm2_dir, smollm2_ref, smol_prompts):
-    # Tiny token budget, tiny pool, prefix caching on: every mechanism in one run.
+def test_smollm2_mixed_batch(smol, smollm2_ref, smol_prompts):
+    check_all(smollm2_ref, smol_prompts, run(smol, smol_prompts, SMOL_GREEDY), SMOL_NEW, stop_at_eos=True)
+
+
+def test_smollm2_chunked_prefill(smollm2_dir, smollm2_ref, smol_prompts):
+    llm = LLM(str(smollm2_dir), max_num_batched_tokens=24, kv_cache_memory="256MiB")
+    check_all(smollm2_ref, smol_prompts, run(llm, smol_prompts, SMOL_GREEDY), SMOL_NEW, stop_at_eos=True)
+
+
+def test_smollm2_prefix_caching(smol, smollm2_ref, smol_prompts):
+    # The same conversations again, plus follow-ups that extend them: all hit the cache.
+    before = smol.engine.stats().prefix_cache_hits
+    first = run(smol, smol_prompts, SMOL_GREEDY)
+    tok = smol.get_tokenizer()
+    follow = [smol.apply_chat_template([{"role": "user", "content": q},
+                                        {"role": "assistant", "content": tok.decode(o, skip_special_tokens=True)},
+                                        {"role": "user", "content": "Shorter, please."}])
+              for q, o in zip(SMOL_QUESTIONS, first)]
+    again = run(smol, smol_prompts + follow, SMOL_GREEDY)
+    assert smol.engine.stats().prefix_cache_hits - before >= sum(len(p) // 16 * 16 for p in smol_prompts)
+    assert again[: len(first)] == first
+    check_all(smollm2_ref, follow, again[len(first):], SMOL_NEW, stop_at_eos=True)
+
+
+def test_smollm2_preemption(smollm2_dir, smollm2_ref, smol_prompts):
     longest = max(len(p) for p in smol_prompts) + SMOL_NEW
-    llm = LLM(str(smollm2_dir), block_size=16, max_num_batched_tokens=32, num_gpu_blocks_override=-(-longest // 16) + 3)
+    llm = LLM(str(smollm2_dir), block_size=16, num_gpu_blocks_override=-(-longest // 16) + 3)
     outputs = run(llm, smol_prompts, SMOL_GREEDY)
-    again = run(llm, smol_prompts, SMOL_GREEDY)
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits > 0
+    assert llm.engine.stats().num_preemptions > 0
     check_all(smollm2_ref, smol_prompts, outputs, SMOL_NEW, stop_at_eos=True)
-    check_all(smollm2_ref, smol_prompts, again, SMOL_NEW, stop_at_eos=True)

@@ -24,7 +24,7 @@ def test_tiny_shared_512_token_system_prompt(tiny_model_dir, tiny_ref):
 
 
 def test_smollm2_shared_system_prompt(smollm2_dir):
-    llm = LLM(str(smollm2_dir))
+    llm = LLM(str(smollm2_dir), kv_cache_memory="256MiB")
     tok = llm.get_tokenizer()
     system = " ".join(f"Rule {i}: answer politely and briefly." for i in range(60))
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -35,7 +35,7 @@ def test_smollm2_shared_system_prompt(smollm2_dir):
     assert common >= 512
     first, second = (llm.generate([p], params, use_tqdm=False)[0] for p in prompts)
     assert second.num_cached_tokens == common // 16 * 16
-    fresh = LLM(str(smollm2_dir), enable_prefix_caching=False).generate([prompts[1]], params, use_tqdm=False)[0]
+    fresh = LLM(str(smollm2_dir), enable_prefix_caching=False, kv_cache_memory="256MiB").generate([prompts[1]], params, use_tqdm=False)[0]
     assert fresh.outputs[0].token_ids == second.outputs[0].token_ids
     assert tok.decode(second.outputs[0].token_ids)
     assert_all_blocks_free(llm)
