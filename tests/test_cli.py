@@ -1,0 +1,30 @@
+"""The `metroserve` command: generate and the throughput benchmark, on the tiny model."""
+
+import json
+
+import pytest
+
+from services.cli import main
+
+
+def test_generate_prints_completions(tiny_model_dir, capsys):
+    main(["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--prompt", "the module",
+          "--max-tokens", "5", "--kv-cache-memory", "64MiB"])
+    out = capsys.readouterr().out
+    assert out.count("### ") == 2 and "[5 tokens, length]" in out
+
+
+def test_generate_bad_flag_is_one_clear_line(tiny_model_dir):
+    with pytest.raises(SystemExit, match="top_p must be in"):
+        main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--top-p", "2"])
+
+
+def test_bench_throughput_runs_all_peers(tiny_model_dir, tmp_path, capsys):
+    out_file = tmp_path / "tp.json"
+    main(["bench", "throughput", "--model", str(tiny_model_dir), "--num-requests", "4", "--max-tokens", "8",
+          "--json-out", str(out_file)])
+    report = json.loads(out_file.read_text())
+    assert set(report["peers"]) == {"engine", "hf-static", "hf-cb"}
+    for peer in report["peers"].values():
+        assert peer["requests"] == 4 and peer["output_tokens"] > 0
+    assert "engine/peer" in capsys.readouterr().out
