@@ -161,11 +161,12 @@ class TorchAttention:
             out.index_copy_(0, g.token_index, o.squeeze(2))
 
 
-def make_attention_backend(name: str, block_size: int, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """auto: the compiled CPU kernel for float32 on CPU when it builds, else torch."""
-    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32:
-        from worker.cpu_attention import CpuAttention, load_cpu_kernel
+def make_attention_backend(name: str, block_size: int, device: torch.device, dtype: torch.dtype,
+                           head_dim: int, gqa_group: int) -> AttentionBackend:
+    """auto: the compiled CPU kernel for float32 on CPU when it builds and fits the model, else torch."""
+    from worker.cpu_attention import CpuAttention, load_cpu_kernel
 
+    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32 and CpuAttention.supports(head_dim, gqa_group):
         if load_cpu_kernel(required=name == "cpu") is not None:
             return CpuAttention(block_size)
     if name in ("auto", "torch"):

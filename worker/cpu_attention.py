@@ -54,6 +54,11 @@ class CpuMetadata:
 
 
 class CpuAttention(TorchAttention):
+    @staticmethod
+    def supports(head_dim: int, gqa_group: int) -> bool:
+        """The shapes the kernel is instantiated for (see csrc/paged_decode_attention.cpp)."""
+        return head_dim in (16, 32, 64, 128, 256) and gqa_group <= 16
+
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
         decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
         tables = [layout.block_tables[i] for i in decodes]

@@ -77,7 +77,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                config.scheduling_policy)
-        attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype)
+        attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.head_dim,
+                                           mcfg.num_heads // mcfg.num_kv_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, attention, Sampler(self.eos_token_ids, config.seed),
                                   self.device)
         self.requests: dict[str, Request] = {}
