@@ -122,7 +122,7 @@ class TorchAttention:
         k_pool, v_pool = self.write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._prefill_attention(q, k, v, k_pool, v_pool, metadata.prefills, out)
-        self._decode_attention(q, k_pool, v_pool, metadata.decode_groups, out)
+        self._decode_attention(q, k_pool, v_pool, metadata, out)
         return out.view(num_tokens, num_heads * head_dim)
 
     @staticmethod
@@ -150,9 +150,9 @@ class TorchAttention:
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
 
     @staticmethod
-    def _decode_attention(q, k_pool, v_pool, groups: list[_DecodeGroup], out: torch.Tensor) -> None:
+    def _decode_attention(q, k_pool, v_pool, metadata: TorchMetadata, out: torch.Tensor) -> None:
         num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-        for g in groups:
+        for g in metadata.decode_groups:
             n = g.token_index.numel()
             qs = q.index_select(0, g.token_index).unsqueeze(2)  # [g, H, 1, D]
             ks = k_pool.index_select(0, g.block_ids).view(n, g.padded_len, num_kv_heads, head_dim).transpose(1, 2)

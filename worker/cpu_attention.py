@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from worker.attention import BatchLayout, TorchAttention, _Prefill
-from worker.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +73,10 @@ class CpuAttention(TorchAttention):
             seq_lens=torch.tensor([layout.seq_lens[i] for i in decodes], dtype=torch.int64),
         )
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: CpuMetadata) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
-        k_pool, v_pool = self.write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self._prefill_attention(q, k, v, k_pool, v_pool, metadata.prefills, out)
+    @staticmethod
+    def _decode_attention(q, k_pool, v_pool, metadata: CpuMetadata, out: torch.Tensor) -> None:
         if metadata.decode_index.numel():
             qd = q.index_select(0, metadata.decode_index)
             od = _kernel.paged_decode_attention(qd, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
-                                                head_dim ** -0.5)
+                                                q.shape[-1] ** -0.5)
             out.index_copy_(0, metadata.decode_index, od)
-        return out.view(num_tokens, num_heads * head_dim)
