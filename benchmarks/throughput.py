@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ def load_hf_model(model_dir: Path) -> torch.nn.Module:
 
 
 def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
-               eos_ids: set[int]) -> PeerResult:
+               eos_ids: list[int]) -> PeerResult:
     """metroserve's LLM.generate over all prompts at once; reports KV efficiency and prefix-cache hits."""
     llm = LLM(model=model)
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -110,7 +111,7 @@ def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], m
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
-    outputs = [trim_output(list(o.outputs[0].token_ids), eos_ids, max_tokens) for o in outs]
+    outputs = [trim_output(list(o.outputs[0].token_ids), set(eos_ids), max_tokens) for o in outs]
     return PeerResult("engine", outputs, seconds, extra)
 
 
@@ -181,6 +182,21 @@ def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_
     return PeerResult("hf-cb", outputs, seconds, extra)
 
 
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes have spent busy since boot (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF-format model directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -197,11 +213,15 @@ def _print_report(report: dict[str, Any]) -> None:
     print(f"\nmodel {report['model_dir']}  torch threads {report['torch_threads']}  "
           f"requests {report['num_requests']}  prompt tokens {report['prompt_tokens']} "
           f"({report['prompt_len_min']}-{report['prompt_len_max']})  max new tokens {report['max_tokens']}")
-    print(f"{'peer':<10} {'requests':>8} {'out tok':>8} {'seconds':>9} {'out tok/s':>10} {'engine/peer':>12}")
+    print(f"{'peer':<10} {'requests':>8} {'out tok':>8} {'seconds':>9} {'out tok/s':>10} {'engine/peer':>12} "
+          f"{'other cores':>12}")
     for name, p in peers.items():
         ratio = f"{p['engine_over_peer']:.2f}x" if "engine_over_peer" in p else "-"
+        others = f"{p['other_processes_cores']:.2f}" if "other_processes_cores" in p else "-"
         print(f"{name:<10} {p['requests']:>8} {p['output_tokens']:>8} {p['seconds']:>9.1f} "
-              f"{p['tokens_per_s']:>10.1f} {ratio:>12}")
+              f"{p['tokens_per_s']:>10.1f} {ratio:>12} {others:>12}")
+    print(f"(other cores: mean cores other processes kept busy during the peer, of {os.cpu_count()}; "
+          "well above 0 means the peer's numbers are low)")
     if "engine" in peers:
         e = peers["engine"]
         print(f"engine: KV efficiency at peak {e['kv_efficiency_at_peak']:.3f} (target >= 0.96, "
@@ -232,13 +252,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, PeerResult] = {}
     for peer in peers:
         print(f"== {peer}", flush=True)
+        busy_before, own_before, wall_before = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
         if peer == "engine":
-            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, set(eos_ids))
+            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids)
         elif peer == "hf-static":
             results[peer] = run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id,
                                           args.hf_batch_size)
         else:
             results[peer] = run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed)
+        if busy_before is not None:
+            others = (_busy_cpu_seconds() - busy_before) - (_own_cpu_seconds() - own_before)
+            results[peer].extra["other_processes_cores"] = max(0.0, others) / (time.perf_counter() - wall_before)
 
     engine = results.get("engine")
     report: dict[str, Any] = {
