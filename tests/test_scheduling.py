@@ -1,0 +1,42 @@
+"""Batcher policies and engine options: priority order, dtype override."""
+
+import torch
+
+from tests.conftest import assert_all_blocks_free
+from worker import LLM, LLMEngine, SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def finish_order(engine: LLMEngine, priorities: list[int]) -> list[str]:
+    for i, prio in enumerate(priorities):
+        engine.add_request([5 + i, 6, 7], PARAMS, request_id=f"r{i}", priority=prio)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [r.request_id for r in engine.step() if r.finished]
+    assert_all_blocks_free(engine)
+    return order
+
+
+def test_fcfs_and_priority_order(tiny_model_dir):
+    fcfs = LLMEngine(model=str(tiny_model_dir), max_num_seqs=1)
+    assert finish_order(fcfs, [3, 1, 2]) == ["r0", "r1", "r2"]
+    prio = LLMEngine(model=str(tiny_model_dir), max_num_seqs=1, scheduling_policy="priority")
+    assert finish_order(prio, [3, 1, 2]) == ["r1", "r2", "r0"]
+
+
+def test_max_num_seqs_caps_running(tiny_model_dir):
+    engine = LLMEngine(model=str(tiny_model_dir), max_num_seqs=2)
+    for i in range(5):
+        engine.add_request([5, 6, 7 + i], PARAMS)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (2, 3)
+
+
+def test_bfloat16_on_cpu_runs_with_torch_backend(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16")
+    assert llm.engine.kv_cache.k.dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert_all_blocks_free(llm)
