@@ -1,6 +1,6 @@
 """Find model weights on disk and turn GGUF files into cached Hugging Face model directories.
 
-The worker loads models with transformers from a Hugging Face-format directory (config.json,
+The engine loads models from a Hugging Face-format directory (config.json,
 model.safetensors, tokenizer files). A `.gguf` file is converted into such a directory once, with
 all tensors dequantized to float32, and the result is cached so later starts skip the conversion.
 """
