@@ -3,18 +3,21 @@
 The torch backend gathers each decode's whole context into a padded tensor every layer; on CPU
 that copy costs as much as the attention itself. The kernel in csrc/paged_decode_attention.cpp
 walks the block table instead. It is compiled once per machine with torch's C++ extension
-loader (about 30 s, cached under ~/.cache/torch_extensions); prefill chunks keep using SDPA.
+loader (about 30 s, cached under ~/.cache/metroserve/kernels); prefill chunks keep using SDPA.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from worker.attention import BatchLayout, TorchAttention, _Prefill
+from worker.model_files import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +35,33 @@ def load_cpu_kernel(required: bool = False):
 
     try:
         logger.info("building the CPU paged-attention kernel (once per machine)")
+        build_dir = _build_directory()
         _kernel = load(name="metroserve_paged_decode", sources=[str(_SOURCE)],
                        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"], verbose=False)
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, no headers, no ninja: fall back to the torch backend
         _failed = True
         if required:
             raise RuntimeError(f"cannot build the CPU attention kernel: {e}") from e
         logger.warning("CPU attention kernel unavailable (%s); using the torch backend", e)
     return _kernel
+
+
+def _build_directory() -> Path:
+    """A build folder per CPU feature set (the kernel is built with -march=native).
+
+    torch's loader waits forever on a lock file left by a build that was killed; a lock older
+    than any real build is removed so such a leftover cannot hang every later start.
+    """
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    build_dir = cache_root() / "kernels" / f"cpu-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lock = build_dir / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+        lock.unlink(missing_ok=True)
+    return build_dir
 
 
 @dataclass

@@ -94,7 +94,7 @@ def resolve_model_dir(
             f"{path}: unsupported model file type {path.suffix or '(no extension)'!r}; "
             "expected a .gguf file or a Hugging Face model directory"
         )
-    target = _cache_root(cache_dir) / "models" / f"{path.stem}-{_file_key(path)}"
+    target = cache_root(cache_dir) / "models" / f"{path.stem}-{_file_key(path)}"
     # The directory only ever appears by an atomic rename of a finished conversion.
     if not (target / "config.json").is_file():
         _convert_into_cache(path, target)
@@ -113,7 +113,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _write_tokenizer(reader, gguf_path, out_dir)
 
 
-def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where converted models and built kernels live: cache_dir, else $METROSERVE_CACHE, else ~/.cache/metroserve."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env_root = os.environ.get("METROSERVE_CACHE")
