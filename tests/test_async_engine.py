@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from tests.conftest import assert_all_blocks_free
 from worker import LLM, AsyncEngine, SamplingParams
+from worker.async_engine import EngineDeadError
 
 PARAMS = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
 
@@ -65,16 +68,22 @@ def test_abort_frees_blocks_and_others_finish(tiny_model_dir):
         assert_all_blocks_free(engine.engine)
         assert not engine.engine.has_unfinished_requests()
 
-        # An explicit abort by id works the same way.
+        # An explicit abort by id (the Abort RPC) ends the stream with finish_reason "abort".
         gen = engine.generate([9] * 10, long, request_id="to-abort")
         first = await gen.__anext__()
         assert not first.finished
         engine.abort("to-abort")
-        deadline = time.monotonic() + 10
-        while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        rest = [o async for o in gen]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
         assert_all_blocks_free(engine.engine)
-        await gen.aclose()
+        assert not engine.engine.has_unfinished_requests()
+
+        # Shutting down ends open streams with an error instead of leaving them hanging.
+        gen = engine.generate([9] * 10, long)
+        await gen.__anext__()
         await engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in gen:
+                pass
 
     asyncio.run(main())

@@ -90,6 +90,7 @@ def test_logit_bias_min_tokens_stop_token_ids_ignore_eos(llm, prompts):
     stop_tok = gen(llm, [prompts[0]], SamplingParams(temperature=0, max_tokens=20, logit_bias={42: 100},
                                                      stop_token_ids=[42]))[0].outputs[0]
     assert stop_tok.token_ids == [42] and stop_tok.finish_reason == "stop" and stop_tok.stop_reason == 42
+    assert stop_tok.text == "", "a stop token's text is not part of the output"
     ignore = gen(llm, [prompts[0]], SamplingParams(temperature=0, max_tokens=7, logit_bias={eos: 100},
                                                    ignore_eos=True))[0].outputs[0]
     assert ignore.token_ids == [eos] * 7 and ignore.finish_reason == "length"
@@ -107,6 +108,10 @@ def test_stop_strings_cut_text(llm, prompts):
     kept = gen(llm, [prompts[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop,
                                                  include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == cut + stop
+    # Before min_tokens, stop strings do not end the sequence.
+    late = gen(llm, [prompts[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop],
+                                                 min_tokens=30))[0].outputs[0]
+    assert late.text == text and late.finish_reason == "length"
 
 
 def _seq(tokens, prompt_len, **params):
@@ -117,7 +122,7 @@ def _seq(tokens, prompt_len, **params):
 
 
 def test_sampler_penalties_and_filters():
-    sampler = Sampler(eos_token_ids=[9])
+    sampler = Sampler(eos_token_ids=[9], device=torch.device("cpu"))
     logits = torch.tensor([[2.0, 1.9, 1.0, 0.5, -1.0, -1.0, -1.0, -1.0, -1.0, 3.0]])
     # Token 9 (EOS) banned by min_tokens; token 0 repeated, so 2.0 / 1.5 < 1.9.
     seq = _seq([5, 0], 1, temperature=0, repetition_penalty=1.5, min_tokens=3)
@@ -137,3 +142,6 @@ def test_sampler_penalties_and_filters():
     assert draws(temperature=1.0, top_p=0.5) == {0}
     assert draws(temperature=1.0, top_p=0.8) == {0, 1}
     assert draws(temperature=1.0, min_p=0.5) == {0, 1}
+    # top-p is measured within the top-k set (renormalized), as in HF and vLLM.
+    probs = torch.tensor([[0.4, 0.3, 0.12, 0.1, 0.08] + [0.0] * 5]).clamp_min(1e-12).log()
+    assert draws(temperature=1.0, top_k=3, top_p=0.85) == {0, 1}

@@ -40,3 +40,38 @@ def test_bfloat16_on_cpu_runs_with_torch_backend(tiny_model_dir):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
     assert_all_blocks_free(llm)
+
+
+def test_forks_count_against_max_num_seqs(tiny_model_dir):
+    engine = LLMEngine(model=str(tiny_model_dir), max_num_seqs=3)
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)
+    for i in range(3):
+        engine.add_request([5, 6, 7 + i], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.batcher.running) <= 3
+    assert_all_blocks_free(engine)
+
+
+def test_preempted_request_rejoins_queue_in_priority_order(tiny_model_dir):
+    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=10, scheduling_policy="priority")
+    long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine.add_request([5] * 15, long, request_id="high1", priority=0)
+    engine.add_request([6] * 15, long, request_id="low", priority=5)
+    engine.step()
+    engine.add_request([7] * 15, long, request_id="high2", priority=0)
+    while engine.has_unfinished_requests():
+        engine.step()
+        waiting = [s.request.request_id for s in engine.batcher.waiting]
+        if "low" in waiting and "high2" in waiting:
+            assert waiting.index("high2") < waiting.index("low")
+    assert engine.requests == {} and engine.stats().num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_priority_list_must_match_prompts(tiny_model_dir):
+    import pytest
+
+    llm = LLM(str(tiny_model_dir))
+    with pytest.raises(ValueError, match="1 priorities for 3 prompts"):
+        llm.generate([[5], [6], [7]], priority=[1], use_tqdm=False)

@@ -10,6 +10,7 @@ incremental outputs (delta=True: only new tokens and text per item). Leaving the
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,8 @@ from worker.engine import LLMEngine
 from worker.outputs import RequestOutput, make_request_output
 from worker.sampling_params import SamplingParams
 from worker.sequence import Request
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -38,7 +41,10 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                        delta: bool = True) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for one request. Raises ValueError at once for a bad request."""
+        """Stream outputs for one request; the last one has finished=True (finish_reason "abort" if aborted).
+
+        A bad request raises ValueError on the first iteration, before anything is queued.
+        """
         if self._error is not None:
             raise EngineDeadError(f"engine step loop failed: {self._error!r}")
         params = params or SamplingParams()
@@ -58,8 +64,12 @@ class AsyncEngine:
         try:
             while True:
                 item = await queue.get()
+                if item is None:  # aborted before it was ever scheduled
+                    finished = True
+                    return
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine step loop failed: {item!r}") from item
+                    finished = True
+                    raise item
                 yield item
                 if item.finished:
                     finished = True
@@ -69,8 +79,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks are freed before the next step runs."""
-        if self._queues.pop(request_id, None) is not None:
+        """Abort a request: its blocks are freed and its stream ends before the next step runs."""
+        if request_id in self._queues:
             self._pending.append(("abort", request_id))
             if self._wakeup is not None:
                 self._wakeup.set()
@@ -84,13 +94,21 @@ class AsyncEngine:
         pending, self._pending = self._pending, []
         for kind, payload in pending:
             if kind == "abort":
-                self.engine.abort_request(payload)
+                entry = self._queues.pop(payload, None)
+                request = self.engine.abort_request(payload)
+                if entry is not None:
+                    queue, delta = entry
+                    queue.put_nowait(make_request_output(request, delta) if request is not None else None)
                 continue
             request_id = payload["request_id"]
             if request_id not in self._queues:
                 continue  # aborted before it was ever added
             text = payload.pop("text")
-            request = self.engine.add_request(**payload)
+            try:
+                request = self.engine.add_request(**payload)
+            except Exception as e:  # e.g. a request id reused meanwhile: fail this stream only
+                self._queues.pop(request_id)[0].put_nowait(e)
+                continue
             request.prompt = text
 
     def _publish(self, requests: list[Request]) -> None:
@@ -114,18 +132,25 @@ class AsyncEngine:
                     continue
                 touched = await loop.run_in_executor(self._executor, self.engine.step)
                 self._publish(touched)
-        except Exception as e:  # a bug or device failure: fail every stream rather than hang them
-            self._error = e
-            for queue, _ in self._queues.values():
-                queue.put_nowait(e)
-            self._queues.clear()
+        except asyncio.CancelledError:
+            self._fail_all(EngineDeadError("engine shut down"))
             raise
+        except Exception as e:  # a bug or device failure: fail every stream rather than hang them
+            logger.exception("engine step loop failed")
+            self._error = e
+            self._fail_all(EngineDeadError(f"engine step loop failed: {e!r}"))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for queue, _ in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
 
     async def shutdown(self) -> None:
+        """Stop the step loop; open streams end with EngineDeadError."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
                 await self._loop_task
-            except (asyncio.CancelledError, Exception):
+            except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)

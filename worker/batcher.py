@@ -81,7 +81,7 @@ class Batcher:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
                     i -= 1
-                self._preempt(victim, batch)
+                budget += self._preempt(victim, batch)
                 if victim is seq:
                     scheduled = False
                     break
@@ -93,8 +93,12 @@ class Batcher:
 
         # Admitting new work while evicting running work would just thrash.
         if batch.num_preempted == 0:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            # Running slots, counting the forks that unforked n > 1 requests will add.
+            num_slots = sum(self._seqs_after_fork(s) for s in self.running)
+            while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                if num_slots + self._seqs_after_fork(seq) > self.max_num_seqs:
+                    break
                 cached = bm.find_cached_prefix(seq)
                 num_cached = len(cached) * bm.block_size
                 num_new = min(seq.num_tokens - num_cached, budget)
@@ -110,6 +114,7 @@ class Batcher:
                     bm.stats.hits += num_cached
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                num_slots += self._seqs_after_fork(seq)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
@@ -123,16 +128,28 @@ class Batcher:
             return max(reversed(self.running), key=lambda s: s.request.sort_key)
         return self.running[-1]
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    @staticmethod
+    def _seqs_after_fork(seq: Sequence) -> int:
+        """Running slots seq will take: a request not yet forked will become n sequences."""
+        request = seq.request
+        return request.params.n - len(request.seqs) + 1
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Evict seq; returns the step budget it had already taken, if it was in the batch."""
+        refund = 0
         if seq in batch.seqs:
             index = batch.seqs.index(seq)
             del batch.seqs[index]
-            del batch.num_new_tokens[index]
+            refund = batch.num_new_tokens.pop(index)
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.request.metrics.num_preemptions += 1
-        self.waiting.insert(0, seq)
+        if self.policy == "priority":
+            self.add(seq)  # back in priority order, not ahead of more important requests
+        else:
+            self.waiting.insert(0, seq)
         batch.num_preempted += 1
         self.num_preemptions += 1
+        return refund

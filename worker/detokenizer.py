@@ -25,10 +25,15 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_hit: str | None = None
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token's text; returns the stop string if this token completed one."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token's text; returns the stop string if this token completed one.
+
+        check_stop=False (before min_tokens) appends without matching stop strings.
+        """
         chunk = self._stream.step(self._backend, token_id)
-        if not chunk:
+        if not chunk or not check_stop:
+            if chunk:
+                self.text += chunk
             return None
         start = max(0, len(self.text) - self._hold_back)
         self.text += chunk

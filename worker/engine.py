@@ -79,7 +79,7 @@ class LLMEngine:
                                config.scheduling_policy)
         attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.head_dim,
                                            mcfg.num_heads // mcfg.num_kv_heads)
-        self.runner = ModelRunner(self.model, self.kv_cache, attention, Sampler(self.eos_token_ids, config.seed),
+        self.runner = ModelRunner(self.model, self.kv_cache, attention, Sampler(self.eos_token_ids, self.device, config.seed),
                                   self.device)
         self.requests: dict[str, Request] = {}
         self._peak_used_blocks = 0
@@ -239,14 +239,19 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         num_out = seq.num_output_tokens
-        stop_string = seq.detokenizer.add_token(token) if seq.detokenizer else None
-        if stop_string is not None:
-            seq.stop_reason = stop_string
-            self._end(seq, "stop")
-        elif num_out >= p.min_tokens and token in p.stop_token_ids:
+        may_stop = num_out >= p.min_tokens
+        # A stop token ends the text before it, like a stop string (vLLM semantics).
+        if may_stop and token in p.stop_token_ids:
             seq.stop_reason = token
+            if p.include_stop_str_in_output and seq.detokenizer:
+                seq.detokenizer.add_token(token, check_stop=False)
             self._end(seq, "stop")
-        elif num_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            return
+        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+            self._end(seq, "stop")
+            return
+        if seq.detokenizer and seq.detokenizer.add_token(token, check_stop=may_stop) is not None:
+            seq.stop_reason = seq.detokenizer.stop_hit
             self._end(seq, "stop")
         elif (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             self._end(seq, "length")

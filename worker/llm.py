@@ -40,6 +40,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.engine
         token_ids = [engine.tokenize(p) for p in prompts]
         for i, (ids, p) in enumerate(zip(token_ids, params)):

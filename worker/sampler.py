@@ -22,10 +22,21 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: sampled token and top-N alternatives
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample `index` of a request: sample 0 uses the seed as given; forks get
+    well-mixed seeds, so (seed s, sample 1) does not replay (seed s + 1, sample 0)."""
+    if index == 0:
+        return seed
+    mixed = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    mixed ^= mixed >> 31
+    return mixed & (2**63 - 1)
+
+
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int = 0):
+    def __init__(self, eos_token_ids: list[int], device: torch.device, seed: int = 0):
         self.eos_token_ids = list(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)  # rows without a seed
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # rows without a seed
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         params = [s.request.params for s in seqs]
@@ -95,12 +106,13 @@ class Sampler:
         top_p = [p.top_p for p in params]
         if min(top_k) < vocab or min(top_p) < 1.0:
             # Work in descending order: top-k is a prefix, top-p a cumulative-probability cut.
+            # top-p measures mass within what top-k kept, as HF and vLLM do.
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=device)[None, :]
-            drop = ranks >= torch.tensor(top_k, device=device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(ranks >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
             sorted_probs = sorted_logits.softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
+            drop = mass_before >= torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
@@ -110,7 +122,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
-            if s.generator is not None:
+            if s.request.params.seed is not None:
+                if s.generator is None:
+                    s.generator = torch.Generator(device=self.device).manual_seed(sample_seed(s.request.params.seed, s.index))
                 noise[i].exponential_(generator=s.generator)
         return (probs / noise).argmax(dim=-1)
 

@@ -51,9 +51,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
-        self.generator: torch.Generator | None = None
-        if request.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(request.params.seed + index)
+        self.generator: torch.Generator | None = None  # created by the sampler for seeded requests
         self.detokenizer = None  # set by the engine when it returns text
         self.num_emitted_tokens = 0  # tokens already handed to a streaming consumer
         self.num_emitted_chars = 0
