@@ -32,6 +32,7 @@ def test_max_num_seqs_caps_running(tiny_model_dir):
     engine.step()
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (2, 3)
+    assert stats.kv_cache_usage == (stats.num_total_blocks - stats.num_free_blocks) / stats.num_total_blocks > 0
 
 
 def test_bfloat16_on_cpu_runs_with_torch_backend(tiny_model_dir):

@@ -69,10 +69,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
-    @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
