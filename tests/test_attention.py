@@ -19,7 +19,10 @@ def random_layout(rng: torch.Generator, num_blocks: int, bs: int, query_lens: li
         pos += q_len
         for p in range(ctx - q_len, ctx):
             slots.append(table[p // bs] * bs + p % bs)
-    return BatchLayout(starts, list(query_lens), list(context_lens), tables, torch.tensor(slots))
+    padded = torch.zeros((len(tables), max(map(len, tables))), dtype=torch.int64)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = torch.tensor(table)
+    return BatchLayout(starts, list(query_lens), list(context_lens), tables, padded, torch.tensor(slots))
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32)])

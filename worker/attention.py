@@ -25,6 +25,7 @@ class BatchLayout:
     query_lens: list[int]
     seq_lens: list[int]  # context length after this step's tokens are written
     block_tables: list[list[int]]
+    block_table_tensor: torch.Tensor  # [num_seqs, max_blocks] int64, the same tables padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] pool slot of each new token's K/V
 
 

@@ -81,16 +81,11 @@ class CpuAttention(TorchAttention):
 
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
         decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
-        tables = [layout.block_tables[i] for i in decodes]
-        width = max((len(t) for t in tables), default=0)
-        table_tensor = torch.zeros((len(tables), width), dtype=torch.int64)
-        for row, t in enumerate(tables):
-            table_tensor[row, : len(t)] = torch.tensor(t, dtype=torch.int64)
         return CpuMetadata(
             slot_mapping=layout.slot_mapping,
             prefills=self._prepare_prefills(layout),
             decode_index=torch.tensor([layout.query_start[i] for i in decodes], dtype=torch.int64),
-            block_tables=table_tensor,
+            block_tables=layout.block_table_tensor[decodes],
             seq_lens=torch.tensor([layout.seq_lens[i] for i in decodes], dtype=torch.int64),
         )
 

@@ -31,12 +31,12 @@ class IncrementalDetokenizer:
         check_stop=False (before min_tokens) appends without matching stop strings.
         """
         chunk = self._stream.step(self._backend, token_id)
-        if not chunk or not check_stop:
-            if chunk:
-                self.text += chunk
+        if not chunk:
             return None
         start = max(0, len(self.text) - self._hold_back)
         self.text += chunk
+        if not check_stop:
+            return None
         hits = [(i, stop) for stop in self._stop if (i := self.text.find(stop, start)) >= 0]
         if not hits:
             return None

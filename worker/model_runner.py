@@ -65,6 +65,7 @@ class ModelRunner:
             query_lens=batch.num_new_tokens,
             seq_lens=(starts + num_new).tolist(),
             block_tables=tables,
+            block_table_tensor=torch.from_numpy(table_arr).to(self.device),
             slot_mapping=torch.from_numpy(slots).to(self.device),
         )
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
