@@ -1,0 +1,21 @@
+"""The scheduler's kvstore (prefix-block index and request state) and the shared block hash."""
+
+from __future__ import annotations
+
+from kvstore.store import MemoryKVStore, RequestRecord
+
+__all__ = ["MemoryKVStore", "RequestRecord", "open_kvstore"]
+
+
+def open_kvstore(url: str) -> MemoryKVStore:
+    """The backend a URL names: "memory" (or empty) embeds the store, "redis://..." uses Redis.
+
+    Redis is imported only when asked for, so the embedded default needs no Redis client.
+    """
+    if url in ("", "memory"):
+        return MemoryKVStore()
+    if url.startswith("redis://"):
+        from kvstore.redis_store import RedisKVStore
+
+        return RedisKVStore(url)
+    raise ValueError(f"kvstore url must be 'memory' or 'redis://host:port/db', got {url!r}")

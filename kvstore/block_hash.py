@@ -22,6 +22,11 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = b"\x00" * 16
 
 
+def extra_keys_for(cache_salt: str | None) -> tuple[str, ...]:
+    """The extra keys of a request's blocks: its cache_salt, if any."""
+    return (cache_salt,) if cache_salt else ()
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> BlockHash:
     """Hash of one full block: sha256 over parent, int64 little-endian token ids, extra keys; 16 bytes."""
     h = hashlib.sha256()

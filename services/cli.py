@@ -1,8 +1,13 @@
-"""The `metroserve` command."""
+"""The `metroserve` command: offline generation, the services, and benchmarks."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
 import sys
 
 
@@ -25,6 +30,110 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]\n")
 
 
+def _setup_logging(component: str) -> None:
+    logging.basicConfig(level=os.environ.get("METROSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s {component}[%(process)d] %(name)s: %(message)s")
+
+
+def _run_async(main, component: str) -> None:
+    """Run a service coroutine on uvloop until SIGTERM/SIGINT, which set its stop event."""
+    import uvloop
+
+    _setup_logging(component)
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    uvloop.run(runner())
+
+
+def _scheduler(args: argparse.Namespace) -> None:
+    from scheduler.server import SchedulerOptions, run_scheduler
+
+    options = SchedulerOptions(host=args.host, port=args.port, kvstore=args.kvstore, max_queue_len=args.max_queue_len,
+                               heartbeat_timeout_s=args.heartbeat_timeout)
+    _run_async(lambda stop: run_scheduler(options, stop), "scheduler")
+
+
+def _gateway(args: argparse.Namespace) -> None:
+    from services.gateway import GatewayOptions, run_gateway
+
+    options = GatewayOptions(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
+                             model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
+                             max_body_bytes=args.max_body_bytes)
+    _run_async(lambda stop: run_gateway(options, stop), "gateway")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import uvloop
+
+    from worker.config import EngineConfig
+    from worker.service import WorkerOptions, WorkerService
+
+    _setup_logging("worker")
+    options = WorkerOptions(scheduler=args.scheduler, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+                            health_port=args.health_port, drain_timeout_s=args.drain_timeout,
+                            served_model_name=args.served_model_name)
+    config = EngineConfig.from_cli_args(args)
+
+    async def main() -> None:
+        service = WorkerService(config, options)  # loads the model: the event loop exists for the engine's events
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        await service.run()
+
+    uvloop.run(main())
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from services.serve import ServeOptions, Stack
+    from worker.config import EngineConfig
+    from worker.model_files import resolve_model_dir, served_model_name
+
+    _setup_logging("serve")
+    config = EngineConfig.from_cli_args(args)
+    name = args.served_model_name or served_model_name(config.model)
+    config.model = str(resolve_model_dir(config.model))  # convert a GGUF once, before the workers start
+    stack = Stack(ServeOptions(engine=config, served_model_name=name, workers=args.workers, host=args.host,
+                               port=args.port, grpc_port=args.grpc_port, scheduler_port=args.scheduler_port,
+                               kvstore=args.kvstore, api_key=args.api_key, max_queue_len=args.max_queue_len))
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    stack.start()
+    try:
+        if not stack.wait_ready():
+            stack.stop()
+            sys.exit("metroserve serve: the stack did not become ready; see the log above")
+        print(f"metroserve: serving {name} at http://{args.host}:{args.port}/v1 (gRPC {args.host}:{args.grpc_port}, "
+              f"{args.workers} worker{'s' if args.workers != 1 else ''})", flush=True)
+        code = stack.supervise()
+    except KeyboardInterrupt:
+        code = 0
+    stack.stop()
+    sys.exit(code)
+
+
+def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, scheduler: bool = False) -> None:
+    if gateway:
+        p.add_argument("--host", default="127.0.0.1", help="address the REST and gRPC APIs listen on")
+        p.add_argument("--port", type=int, default=8000, help="REST (OpenAI-compatible) port")
+        p.add_argument("--grpc-port", type=int, default=50052, help="public gRPC port (0: off)")
+        p.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on REST and gRPC (default: $METROSERVE_API_KEY)")
+        p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    if scheduler:
+        p.add_argument("--kvstore", default="memory",
+                       help="prefix index and request state: 'memory' (embedded) or redis://host:port/db")
+        p.add_argument("--max-queue-len", type=int, default=1024,
+                       help="requests that may wait for a worker slot; beyond it: 429 with Retry-After")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks import throughput
     from worker.config import EngineConfig
@@ -42,6 +151,42 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="run gateway, scheduler and workers on this machine (loopback)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("--workers", type=int, default=1, help="worker processes, each with its own KV pool")
+    serve.add_argument("--scheduler-port", type=int, default=50051, help="the scheduler's gRPC port (loopback)")
+    _add_service_args(serve, gateway=True, scheduler=True)
+    EngineConfig.add_cli_args(serve)
+    serve.set_defaults(func=_serve)
+
+    sched = sub.add_parser("scheduler", help="run the central scheduler",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sched.add_argument("--host", default="127.0.0.1")
+    sched.add_argument("--port", type=int, default=50051, help="gRPC port for gateways and workers")
+    sched.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                       help="seconds of silence after which a worker is dropped and its work moved")
+    _add_service_args(sched, scheduler=True)
+    sched.set_defaults(func=_scheduler)
+
+    gw = sub.add_parser("gateway", help="run an API gateway (REST + gRPC) in front of a scheduler",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gw.add_argument("--scheduler", default="127.0.0.1:50051", help="the scheduler's host:port")
+    gw.add_argument("--model", default=None, help="model directory or .gguf, for the tokenizer and chat template")
+    gw.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get a 400")
+    _add_service_args(gw, gateway=True)
+    gw.set_defaults(func=_gateway)
+
+    wk = sub.add_parser("worker", help="run a worker: one engine and KV pool, connected to a scheduler",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    wk.add_argument("--scheduler", default="127.0.0.1:50051", help="the scheduler's host:port")
+    wk.add_argument("--worker-id", default=None, help="unique name (default: hostname-pid)")
+    wk.add_argument("--health-port", type=int, default=0, help="grpc.health.v1 port for probes (0: none)")
+    wk.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds to finish running work before handing it back")
+    wk.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    EngineConfig.add_cli_args(wk)
+    wk.set_defaults(func=_worker)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

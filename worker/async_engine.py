@@ -5,6 +5,10 @@ free for I/O; requests and aborts queue up on the loop and are applied between s
 engine is only ever touched by one step at a time. Each generate() call is an async iterator of
 incremental outputs (delta=True: only new tokens and text per item). Leaving the iterator early
 (client gone, task cancelled) aborts the request, which frees its blocks before the next step.
+
+The worker service uses the batched form instead: submit() queues a request without a stream of
+its own, and after every step the StepSink gets all submitted requests' deltas in one call, so
+one step's output for hundreds of sequences becomes one message.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -28,11 +33,26 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; no request on this engine can make progress."""
 
 
+class StepSink(Protocol):
+    """Receives the outputs of submit()ted requests, on the event loop."""
+
+    def step_done(self, outputs: list[RequestOutput]) -> None:
+        """After every step (outputs may be empty: a step can only advance prefills)."""
+
+    def rejected(self, request_id: str, error: Exception) -> None: ...
+
+    def failed(self, error: EngineDeadError) -> None:
+        """The step loop died; every submitted request is lost."""
+
+
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True, **kwargs):
-        self.engine = LLMEngine(config, detokenize=detokenize, **kwargs)
+    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True, sink: StepSink | None = None,
+                 record_block_events: bool = False, **kwargs):
+        self.engine = LLMEngine(config, detokenize=detokenize, record_block_events=record_block_events, **kwargs)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._queues: dict[str, tuple[asyncio.Queue, bool]] = {}
+        self._sink = sink
+        # request id -> (its stream's queue, delta); queue None: a submit()ted request, output to the sink
+        self._queues: dict[str, tuple[asyncio.Queue | None, bool]] = {}
         self._pending: list[tuple[str, object]] = []  # ("add", kwargs) / ("abort", request_id)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -78,6 +98,21 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
+               cache_salt: str | None = None, resume_token_ids: list[int] = ()) -> None:
+        """Queue a request whose outputs go to the sink; raises ValueError for a bad request."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine step loop failed: {self._error!r}")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.validate_request(prompt_token_ids, params)
+        self._ensure_loop()
+        self._queues[request_id] = (None, True)
+        self._pending.append(("add", dict(prompt=prompt_token_ids, params=params, request_id=request_id,
+                                          priority=priority, cache_salt=cache_salt, text=None,
+                                          resume_token_ids=list(resume_token_ids))))
+        self._wakeup.set()
+
     def abort(self, request_id: str) -> None:
         """Abort a request: its blocks are freed and its stream ends before the next step runs."""
         if request_id in self._queues:
@@ -96,7 +131,7 @@ class AsyncEngine:
             if kind == "abort":
                 entry = self._queues.pop(payload, None)
                 request = self.engine.abort_request(payload)
-                if entry is not None:
+                if entry is not None and entry[0] is not None:
                     queue, delta = entry
                     queue.put_nowait(make_request_output(request, delta) if request is not None else None)
                 continue
@@ -107,19 +142,30 @@ class AsyncEngine:
             try:
                 request = self.engine.add_request(**payload)
             except Exception as e:  # e.g. a request id reused meanwhile: fail this stream only
-                self._queues.pop(request_id)[0].put_nowait(e)
+                queue = self._queues.pop(request_id)[0]
+                if queue is None:
+                    self._sink.rejected(request_id, e)
+                else:
+                    queue.put_nowait(e)
                 continue
             request.prompt = text
 
     def _publish(self, requests: list[Request]) -> None:
+        batched: list[RequestOutput] = []
         for request in requests:
             entry = self._queues.get(request.request_id)
             if entry is None:
                 continue
             queue, delta = entry
-            queue.put_nowait(make_request_output(request, delta=delta))
+            output = make_request_output(request, delta=delta)
+            if queue is None:
+                batched.append(output)
+            else:
+                queue.put_nowait(output)
             if request.finished:
                 del self._queues[request.request_id]
+        if self._sink is not None:
+            self._sink.step_done(batched)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -142,8 +188,11 @@ class AsyncEngine:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         for queue, _ in self._queues.values():
-            queue.put_nowait(error)
+            if queue is not None:
+                queue.put_nowait(error)
         self._queues.clear()
+        if self._sink is not None:
+            self._sink.failed(error)
 
     async def shutdown(self) -> None:
         """Stop the step loop; open streams end with EngineDeadError."""

@@ -24,7 +24,8 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -34,6 +35,11 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.stats = PrefixCacheStats()
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
+        # Hashes that entered / left the cache since take_events(): the worker reports them so the
+        # scheduler's prefix-block index knows which worker holds which prefix.
+        self.record_events = record_events
+        self.stored_events: list[BlockHash] = []
+        self.removed_events: list[BlockHash] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,7 +93,15 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self.cached:
                 self.cached[h] = block
                 self.block_hash[block] = h
+                if self.record_events:
+                    self.stored_events.append(h)
         seq.num_cached_blocks = num_full
+
+    def take_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) block hashes since the last call."""
+        events = self.stored_events, self.removed_events
+        self.stored_events, self.removed_events = [], []
+        return events
 
     # -- allocation --------------------------------------------------------------------------
 
@@ -136,6 +150,8 @@ class BlockManager:
             del self.cached[h]
             self.block_hash[block] = None
             self.stats.evictions += 1
+            if self.record_events:
+                self.removed_events.append(h)
         self.ref_cnt[block] = 1
         return block
 

@@ -65,6 +65,8 @@ class EngineConfig:
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size on CPU, e.g. 4GiB")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="fraction of GPU memory the worker may use")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override,
+                       help="exact KV pool size in blocks, overriding the memory budget")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one engine step (prefill chunks + decodes)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences running at once")
@@ -76,6 +78,18 @@ class EngineConfig:
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch"],
                        help="paged attention implementation (auto: compiled CPU kernel on CPU, else torch)")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that reproduce this config (for launching worker processes)."""
+        argv = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif value is not None:
+                argv += [flag, str(value)]
+        return argv
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -24,6 +24,7 @@ from worker.kv_cache import KVCache
 from worker.model_files import resolve_model_dir
 from worker.model_loader import load_model, load_tokenizer
 from worker.model_runner import ModelRunner
+from worker.request_limits import RequestLimits, check_request
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.sequence import Request, Sequence, SequenceStatus
@@ -50,7 +51,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True, record_block_events: bool = False,
+                 **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
@@ -74,7 +76,7 @@ class LLMEngine:
             raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
                              "or --gpu-memory-utilization")
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, record_block_events)
         self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                config.scheduling_policy)
         attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.head_dim,
@@ -118,33 +120,21 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+                             max_num_seqs=self.config.max_num_seqs, block_size=self.block_manager.block_size,
+                             num_blocks=self.block_manager.num_blocks)
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the problem; nothing about a bad request reaches the batch."""
-        n = len(prompt_token_ids)
-        vocab = self.model_config.vocab_size
-        if n == 0:
-            raise ValueError("prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens but the maximum context length is {self.max_model_len} "
-                             "(prompt plus at least one generated token)")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
-                             f"context length {self.max_model_len}")
-        bad_ids = [t for t in list(params.stop_token_ids) + list(params.logit_bias) if t >= vocab]
-        if bad_ids:
-            raise ValueError(f"token ids {bad_ids[:5]} in stop_token_ids/logit_bias are outside the vocabulary (size {vocab})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        longest = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
-        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
-            raise ValueError(f"a sequence of up to {longest} tokens needs "
-                             f"{self.block_manager.blocks_needed(longest)} KV blocks but the pool has "
-                             f"{self.block_manager.num_blocks}; lower max_tokens or raise --kv-cache-memory")
+        check_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    resume_token_ids: list[int] = ()) -> Request:
+        """Queue a request. resume_token_ids: output it already produced elsewhere (a migrated request);
+        they count as output (max_tokens, penalties) but are not streamed again."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
@@ -154,6 +144,10 @@ class LLMEngine:
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                           arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
         self._attach_detokenizer(request.seqs[0])
+        if resume_token_ids:
+            seq = request.seqs[0]
+            seq.token_ids.extend(resume_token_ids)
+            seq.num_emitted_tokens = len(resume_token_ids)
         self.requests[request_id] = request
         self.batcher.add(request.seqs[0])
         return request

@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from worker.chat import chat_prompt_ids
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import RequestOutput, make_request_output
@@ -72,9 +73,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        # The template already holds any BOS it wants; don't add special tokens twice.
-        return tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt)

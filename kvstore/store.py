@@ -1,0 +1,210 @@
+"""The scheduler's kvstore: the prefix-block index and the request-state store.
+
+Only the scheduler process uses it, from one asyncio event loop, so every read and write is a plain
+synchronous call on in-memory structures. ``MemoryKVStore`` is the embedded backend and the base
+class of the Redis backend, which keeps this same state in memory and writes it through in the
+background (see ``kvstore.redis_store``).
+
+Block index entries are tagged with the holding worker's epoch: a restarted worker registers under
+a new epoch, so the blocks its previous incarnation reported can never match a prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+STATUSES = ("queued", "running", "finished")
+
+
+@dataclass
+class RequestRecord:
+    """What the scheduler needs to re-place a request's sequences after a worker dies."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # JSON-serializable sampling params
+    priority: int = 0
+    cache_salt: str | None = None
+    worker_id: str | None = None
+    status: str = "queued"  # queued | running | finished
+    # seq index -> tokens generated so far; only sequences that have produced tokens appear
+    output_token_ids: dict[int, list[int]] = field(default_factory=dict)
+
+
+class _Unset(enum.Enum):
+    """Marks an ``update_request`` field the caller did not pass (``None`` is a real worker_id)."""
+
+    UNSET = enum.auto()
+
+
+UNSET = _Unset.UNSET
+
+
+def _copy_record(record: RequestRecord) -> RequestRecord:
+    """A copy whose lists the caller may mutate without changing the stored state behind our back.
+
+    Empty sequences are dropped: a sequence with no tokens yet and an absent one mean the same, and
+    Redis cannot hold an empty list, so both backends agree on the dropped form.
+    """
+    return dataclasses.replace(
+        record,
+        prompt_token_ids=list(record.prompt_token_ids),
+        params=dict(record.params),
+        output_token_ids={i: list(toks) for i, toks in record.output_token_ids.items() if toks},
+    )
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"request status must be one of {STATUSES}, got {status!r}")
+
+
+class MemoryKVStore:
+    """Embedded backend: everything lives in this process's memory."""
+
+    def __init__(self) -> None:
+        # block hash -> {worker_id: epoch}
+        self._index: dict[bytes, dict[str, int]] = {}
+        # worker_id -> the hashes it has entries for (any epoch): purging a worker costs O(its blocks)
+        self._by_worker: dict[str, set[bytes]] = {}
+        self._requests: dict[str, RequestRecord] = {}
+
+    # ---- prefix-block index -------------------------------------------------------------------
+
+    def add_blocks(self, worker_id: str, epoch: int, hashes: Iterable[bytes]) -> None:
+        """Record that ``worker_id`` (at ``epoch``) holds these blocks; replaces an older epoch's entry."""
+        for h in hashes:
+            self._index.setdefault(h, {})[worker_id] = epoch
+            self._by_worker.setdefault(worker_id, set()).add(h)
+
+    def remove_blocks(self, worker_id: str, epoch: int, hashes: Iterable[bytes]) -> None:
+        """Drop the worker's entries for these blocks, but only those recorded under ``epoch``.
+
+        A late removal event from a previous incarnation must not delete what the new one reported.
+        """
+        owned = self._by_worker.get(worker_id)
+        for h in hashes:
+            holders = self._index.get(h)
+            if holders is None or holders.get(worker_id) != epoch:
+                continue
+            del holders[worker_id]
+            if not holders:
+                del self._index[h]
+            if owned is not None:
+                owned.discard(h)
+        if owned is not None and not owned:
+            del self._by_worker[worker_id]
+
+    def purge_worker(self, worker_id: str) -> int:
+        """Drop every entry of a dead worker, whatever its epoch; returns how many were dropped."""
+        owned = self._by_worker.pop(worker_id, set())
+        for h in owned:
+            holders = self._index[h]
+            del holders[worker_id]
+            if not holders:
+                del self._index[h]
+        return len(owned)
+
+    def match_prefix(self, hashes: Sequence[bytes], epochs: dict[str, int]) -> dict[str, int]:
+        """For each live worker (``epochs``: worker -> current epoch), how many leading ``hashes`` it
+        holds under exactly that epoch, stopping at its first miss. Workers with 0 are omitted.
+
+        Runs per request on up to a few hundred hashes: one index lookup per hash, and the workers
+        still matching are checked without allocating until one of them drops out.
+        """
+        matched: dict[str, int] = {}
+        first = self._index.get(hashes[0]) if hashes else None
+        if first is None:
+            return matched
+        # Only workers holding the first block can match at all: usually a few of many live ones.
+        live = [(w, e) for w, e in first.items() if epochs.get(w) == e]
+        n = 1
+        for h in itertools.islice(hashes, 1, None):
+            if not live:
+                return matched
+            holders = self._index.get(h)
+            if holders is None:
+                break
+            for w, e in live:
+                if holders.get(w) != e:
+                    break
+            else:
+                n += 1
+                continue
+            still = []
+            for w, e in live:
+                if holders.get(w) == e:
+                    still.append((w, e))
+                else:
+                    matched[w] = n
+            live = still
+            n += 1
+        for w, _ in live:
+            matched[w] = n
+        return matched
+
+    def num_blocks(self, worker_id: str) -> int:
+        """How many blocks the index records for the worker (any epoch)."""
+        return len(self._by_worker.get(worker_id, ()))
+
+    # ---- request state ------------------------------------------------------------------------
+
+    def put_request(self, record: RequestRecord) -> None:
+        """Store (or replace) a request; the store keeps its own copy."""
+        _check_status(record.status)
+        self._requests[record.request_id] = _copy_record(record)
+
+    def update_request(
+        self,
+        request_id: str,
+        *,
+        worker_id: str | None | _Unset = UNSET,
+        status: str | _Unset = UNSET,
+    ) -> None:
+        """Change only the fields passed; an unknown id is a no-op (the request may have ended)."""
+        if status is not UNSET:
+            _check_status(status)
+        record = self._requests.get(request_id)
+        if record is None:
+            return
+        if worker_id is not UNSET:
+            record.worker_id = worker_id
+        if status is not UNSET:
+            record.status = status
+
+    def append_tokens(self, request_id: str, index: int, tokens: list[int]) -> None:
+        """Append newly generated tokens of sequence ``index``; an unknown id is a no-op."""
+        record = self._requests.get(request_id)
+        if record is None or not tokens:
+            return
+        record.output_token_ids.setdefault(index, []).extend(tokens)
+
+    def delete_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def get_request(self, request_id: str) -> RequestRecord | None:
+        """A copy of the record: change it through the methods above, never in place."""
+        record = self._requests.get(request_id)
+        return None if record is None else _copy_record(record)
+
+    def list_requests(self) -> list[RequestRecord]:
+        return [_copy_record(r) for r in self._requests.values()]
+
+    # ---- lifecycle: nothing to do in memory ---------------------------------------------------
+
+    async def start(self) -> None:
+        pass
+
+    async def flush(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    @property
+    def healthy(self) -> bool:
+        return True

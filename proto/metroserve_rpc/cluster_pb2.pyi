@@ -1,0 +1,169 @@
+from metroserve_rpc import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RequestLimits(_message.Message):
+    __slots__ = ("vocab_size", "max_model_len", "max_num_seqs", "block_size", "num_blocks")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_blocks: int
+    def __init__(self, vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("worker_id", "epoch", "model", "limits", "pid", "host")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    model: str
+    limits: RequestLimits
+    pid: int
+    host: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class PlacementOutput(_message.Message):
+    __slots__ = ("placement_id", "num_cached_tokens", "seqs")
+    PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    placement_id: str
+    num_cached_tokens: int
+    seqs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.SequenceDelta]
+    def __init__(self, placement_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[_generation_pb2.SequenceDelta, _Mapping]]] = ...) -> None: ...
+
+class Rejection(_message.Message):
+    __slots__ = ("placement_id", "message")
+    PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    placement_id: str
+    message: str
+    def __init__(self, placement_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("register", "outputs", "rejected", "load", "blocks_stored", "blocks_removed", "draining", "handed_back")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    outputs: _containers.RepeatedCompositeFieldContainer[PlacementOutput]
+    rejected: _containers.RepeatedCompositeFieldContainer[Rejection]
+    load: LoadReport
+    blocks_stored: _containers.RepeatedScalarFieldContainer[bytes]
+    blocks_removed: _containers.RepeatedScalarFieldContainer[bytes]
+    draining: bool
+    handed_back: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[PlacementOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., blocks_stored: _Optional[_Iterable[bytes]] = ..., blocks_removed: _Optional[_Iterable[bytes]] = ..., draining: _Optional[bool] = ..., handed_back: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("placement_id", "prompt_token_ids", "resume_token_ids", "params", "priority", "cache_salt")
+    PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    placement_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _generation_pb2.SamplingParams
+    priority: int
+    cache_salt: str
+    def __init__(self, placement_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("assign", "abort", "heartbeat_interval_s")
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    assign: _containers.RepeatedCompositeFieldContainer[Assignment]
+    abort: _containers.RepeatedScalarFieldContainer[str]
+    heartbeat_interval_s: float
+    def __init__(self, assign: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "epoch", "pid", "host", "draining", "num_placed", "load", "num_index_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLACED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    pid: int
+    host: str
+    draining: bool
+    num_placed: int
+    load: LoadReport
+    num_index_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., draining: _Optional[bool] = ..., num_placed: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., num_index_blocks: _Optional[int] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("workers", "queue_depth", "num_active_requests", "num_migrations", "num_rejected", "placements_by_worker", "placement_prefix_hit_tokens")
+    class PlacementsByWorkerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_BY_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    queue_depth: int
+    num_active_requests: int
+    num_migrations: int
+    num_rejected: int
+    placements_by_worker: _containers.ScalarMap[str, int]
+    placement_prefix_hit_tokens: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_migrations: _Optional[int] = ..., num_rejected: _Optional[int] = ..., placements_by_worker: _Optional[_Mapping[str, int]] = ..., placement_prefix_hit_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,75 @@
+"""One connected worker as the scheduler sees it: its lease, load, placements and outbox.
+
+Assignments and aborts for a worker accumulate here and leave as one SchedulerMessage per wakeup
+of the stream's writer, so a burst of requests costs one message, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from metroserve_rpc import cluster_pb2
+from scheduler.placement import WorkerLoad
+from scheduler.request_state import Placement
+from worker.request_limits import RequestLimits
+
+
+class WorkerLink:
+    def __init__(self, register: cluster_pb2.Register, limits: RequestLimits):
+        self.worker_id = register.worker_id
+        self.epoch = register.epoch
+        self.model = register.model
+        self.pid = register.pid
+        self.host = register.host
+        self.limits = limits
+        self.load = cluster_pb2.LoadReport(num_free_blocks=limits.num_blocks, num_total_blocks=limits.num_blocks)
+        self.draining = False
+        self.last_seen = time.monotonic()
+        self.placements: dict[str, Placement] = {}
+        self.inflight_blocks: Counter = Counter()
+        self.num_placed_seqs = 0
+        self._assign: list[cluster_pb2.Assignment] = []
+        self._abort: list[str] = []
+        self.wakeup = asyncio.Event()
+        self.closed = asyncio.Event()  # set when the scheduler gives up on this link (lease expired)
+
+    @property
+    def capacity(self) -> int:
+        return self.limits.max_num_seqs - self.num_placed_seqs
+
+    def queued_prefill_tokens(self) -> int:
+        return sum(p.prefill_tokens for p in self.placements.values() if not p.started)
+
+    def load_view(self) -> WorkerLoad:
+        return WorkerLoad(self.worker_id, self.num_placed_seqs, self.queued_prefill_tokens(),
+                          self.load.num_free_blocks, self.limits.block_size, self.inflight_blocks)
+
+    def assign(self, placement: Placement, assignment: cluster_pb2.Assignment) -> None:
+        placement.worker_id = self.worker_id
+        self.placements[placement.placement_id] = placement
+        self.inflight_blocks.update(placement.block_hashes)
+        self.num_placed_seqs += placement.num_seqs
+        self._assign.append(assignment)
+        self.wakeup.set()
+
+    def release(self, placement: Placement, abort: bool) -> None:
+        """The placement is over here: finished, aborted (tell the worker) or handed back."""
+        if self.placements.pop(placement.placement_id, None) is None:
+            return
+        for h in placement.block_hashes:
+            self.inflight_blocks[h] -= 1
+            if self.inflight_blocks[h] <= 0:
+                del self.inflight_blocks[h]
+        self.num_placed_seqs -= placement.num_seqs
+        if abort:
+            self._abort.append(placement.placement_id)
+            self.wakeup.set()
+
+    def take_message(self) -> cluster_pb2.SchedulerMessage | None:
+        if not self._assign and not self._abort:
+            return None
+        msg = cluster_pb2.SchedulerMessage(assign=self._assign, abort=self._abort)
+        self._assign, self._abort = [], []
+        return msg

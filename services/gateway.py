@@ -1,0 +1,79 @@
+"""The gateway process: REST (OpenAI-compatible) and public gRPC in front of one scheduler.
+
+Stateless: it holds a tokenizer and a channel to the scheduler, nothing that outlives a request,
+so any number of gateways can run against one scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from metroserve_rpc import generation_pb2_grpc
+from services.grpc_api import ApiKeyInterceptor, GatewayGeneration
+from services.rest import RestAPI
+from services.scheduler_client import GRPC_OPTIONS, SchedulerClient
+from worker.model_files import resolve_model_dir, served_model_name
+from worker.model_loader import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayOptions:
+    scheduler: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50052  # 0: no public gRPC
+    model: str | None = None  # for the tokenizer and chat template; the same as the workers'
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+
+
+def _max_model_len(model_dir) -> int:
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings", 0))
+
+
+async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None) -> None:
+    api_key = options.api_key or os.environ.get("METROSERVE_API_KEY") or None
+    model_dir = resolve_model_dir(options.model)
+    tokenizer = load_tokenizer(model_dir)
+    model_name = options.served_model_name or served_model_name(options.model)
+    client = SchedulerClient(options.scheduler)
+
+    rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts upstream.
+    runner = web.AppRunner(rest.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port)
+    await site.start()
+
+    server = None
+    if options.grpc_port:
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        if server.add_insecure_port(f"{options.host}:{options.grpc_port}") == 0:
+            raise SystemExit(f"gateway: cannot listen on {options.host}:{options.grpc_port}")
+        await server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    logger.info("gateway serving %s: REST on http://%s:%d, gRPC on %s; scheduler %s%s", model_name, options.host,
+                options.port, options.grpc_port or "-", options.scheduler, "; API key required" if api_key else "")
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        if server is not None:
+            await server.stop(1.0)
+        await runner.cleanup()
+        await client.close()

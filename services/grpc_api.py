@@ -1,0 +1,94 @@
+"""The gateway's public gRPC API: Generation with text or token ids in, token ids and text out.
+
+Same path as REST: tokenize here, forward token ids to the scheduler, detokenize and apply stop
+strings on the way back (services/text_stream.py). A cancelled call aborts the request upstream.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from metroserve_rpc import generation_pb2, generation_pb2_grpc
+from metroserve_rpc.convert import params_from_proto
+from services.scheduler_client import SchedulerClient, UpstreamError
+from services.text_stream import stream_text
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without `authorization: Bearer <key>` metadata; health checks stay open."""
+
+    def __init__(self, api_key: str):
+        self._expected = f"Bearer {api_key}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1."):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self._expected:
+            return await continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+
+
+class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, client: SchedulerClient, tokenizer, model_name: str):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    async def Generate(self, request, context):
+        if request.model and request.model != self.model_name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"model {request.model!r} does not exist; this server serves {self.model_name!r}")
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a prompt: text or token_ids")
+        prompt = self.tokenizer.encode(request.text) if kind == "text" else list(request.token_ids.ids)
+        try:
+            params = params_from_proto(request.params)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        stream = stream_text(self.client, self.tokenizer, prompt, params, request_id, self.model_name,
+                             request.priority, request.cache_salt or None)
+        try:
+            first = True
+            async for update in stream:
+                if first:  # admitted: the acknowledgment the scheduler gave us
+                    yield generation_pb2.GenerateResponse(request_id=request_id)
+                    first = False
+                msg = generation_pb2.GenerateResponse(request_id=request_id)
+                for d in update.deltas:
+                    delta = msg.outputs.add(index=d.index, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs,
+                                            finish_reason=d.finish_reason or "")
+                    if isinstance(d.stop_reason, str):
+                        delta.stop_str = d.stop_reason
+                    elif isinstance(d.stop_reason, int):
+                        delta.stop_token_id = d.stop_reason
+                if update.usage is not None:
+                    msg.usage.prompt_tokens = update.usage.prompt_tokens
+                    msg.usage.completion_tokens = update.usage.completion_tokens
+                    msg.usage.cached_tokens = update.usage.cached_tokens
+                yield msg
+        except UpstreamError as e:
+            if e.retry_after:
+                context.set_trailing_metadata((("retry-after", e.retry_after),))
+            await context.abort(e.code, e.message)
+        finally:
+            await stream.aclose()
+
+    async def Abort(self, request, context):
+        return generation_pb2.AbortResponse(found=await self.client.abort(request.request_id))
+
+    async def ListModels(self, request, context):
+        try:
+            return generation_pb2.ListModelsResponse(models=await self.client.list_models())
+        except UpstreamError as e:
+            await context.abort(e.code, e.message)

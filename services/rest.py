@@ -1,0 +1,260 @@
+"""The gateway's OpenAI-compatible REST API (aiohttp).
+
+Routes: /v1/chat/completions, /v1/completions (SSE streaming ending in [DONE], usage chunk with
+stream_options.include_usage), /v1/models, /health, /tokenize, /detokenize. The server cancels a
+handler when its client disconnects; the cancellation closes the scheduler stream, which aborts
+the request on its worker and frees its blocks. A streaming response is only started once the
+scheduler has admitted every prompt, so refusals still get a proper status (400/429/503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from aiohttp import web
+
+from services.openai_api import (BadRequest, GenerationRequest, ResponseBuilder, error_body, parse_chat,
+                                 parse_completion, parse_messages)
+from services.scheduler_client import SchedulerClient, UpstreamError
+from services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
+
+logger = logging.getLogger(__name__)
+
+_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+           grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNAUTHENTICATED: 401}
+_UNPROTECTED = ("/health",)
+
+
+def json_error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None, headers: dict | None = None) -> web.Response:
+    return web.json_response(error_body(message, type_, param, code), status=status, headers=headers)
+
+
+def upstream_error_response(e: UpstreamError) -> web.Response:
+    status = _STATUS.get(e.code, 502)
+    headers = {"Retry-After": e.retry_after} if e.retry_after else None
+    type_ = "invalid_request_error" if status == 400 else "server_error" if status >= 500 else "rate_limit_error"
+    return json_error(status, e.message, type_, code=e.code.name.lower(), headers=headers)
+
+
+class RestAPI:
+    def __init__(self, client: SchedulerClient, tokenizer, model_name: str, max_model_len: int,
+                 api_key: str | None, max_body_bytes: int):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors_and_auth])
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        return app
+
+    @web.middleware
+    async def _errors_and_auth(self, request: web.Request, handler):
+        if self.api_key and request.path not in _UNPROTECTED:
+            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                return json_error(401, "invalid or missing API key", code="invalid_api_key")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return json_error(400, str(e), param=e.param, code=e.code)
+        except UpstreamError as e:
+            return upstream_error_response(e)
+        except web.HTTPRequestEntityTooLarge:
+            return json_error(400, f"the request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        except web.HTTPException as e:  # 404 / 405 from routing: keep the status, OpenAI-style body
+            return json_error(e.status, e.reason, code=e.reason.lower().replace(" ", "_"))
+
+    async def _json_body(self, request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadRequest(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                             param="model", code="model_not_found")
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_body(request)
+        return await self._generate(request, parse_completion(body, self.tokenizer))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_body(request)
+        return await self._generate(request, parse_chat(body, self.tokenizer))
+
+    async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
+        self._check_model(req.model)
+        request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        builder = ResponseBuilder(request_id, self.model_name, req.chat, req.logprobs, self.tokenizer)
+        n = req.params.n
+        streams = [stream_text(self.client, self.tokenizer, prompt, req.params, f"{request_id}-{i}",
+                               self.model_name, req.priority, req.cache_salt) for i, prompt in enumerate(req.prompts)]
+        merged = _merge(streams)
+        try:
+            # Every prompt admitted (or the first refusal raised) before the response starts.
+            first_updates = await merged.__anext__()
+            if req.stream:
+                return await self._stream(request, builder, req, merged, first_updates)
+            choices: dict[int, list[TextDelta]] = {}
+            usage = Usage(prompt_tokens=0)
+            async for prompt_index, update in _chain(first_updates, merged):
+                for delta in update.deltas:
+                    choices.setdefault(prompt_index * n + delta.index, []).append(delta)
+                if update.usage is not None:
+                    _add_usage(usage, update.usage)
+            return web.json_response(builder.full(choices, usage))
+        finally:
+            await merged.aclose()
+
+    async def _stream(self, request: web.Request, builder: ResponseBuilder, req: GenerationRequest,
+                      merged: AsyncIterator, first_updates: list) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        n = req.params.n
+        started: set[int] = set()
+        usage = Usage(prompt_tokens=0)
+        try:
+            async for prompt_index, update in _chain(first_updates, merged):
+                events = []
+                for delta in update.deltas:
+                    index = prompt_index * n + delta.index
+                    events.append(builder.chunk(index, delta, first=index not in started))
+                    started.add(index)
+                if update.usage is not None:
+                    _add_usage(usage, update.usage)
+                if events:
+                    await response.write("".join(f"data: {json.dumps(e)}\n\n" for e in events).encode())
+        except UpstreamError as e:  # failed after the stream began: report it in-band
+            payload = error_body(e.message, "server_error", code=e.code.name.lower())
+            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+        else:
+            if req.include_usage:
+                await response.write(f"data: {json.dumps(builder.usage_chunk(usage))}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        models = await self.client.list_models()
+        return web.json_response({"object": "list", "data": [
+            {"id": m.id, "object": "model", "created": 0, "owned_by": "metroserve", "max_model_len": m.max_model_len}
+            for m in models]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if await self.client.ready():
+            return web.json_response({"status": "ok"})
+        return json_error(503, "no worker is ready behind the scheduler", "server_error", code="unavailable")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        from worker.chat import chat_prompt_ids
+
+        body = await self._json_body(request)
+        self._check_model(body.get("model") or "")
+        if "messages" in body:
+            try:
+                tokens = chat_prompt_ids(self.tokenizer, parse_messages(body),
+                                         add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+            except ValueError as e:
+                raise BadRequest(str(e), param="messages") from None
+        elif isinstance(body.get("prompt"), str):
+            tokens = self.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        else:
+            raise BadRequest("give 'prompt' (a string) or 'messages'", param="prompt")
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        tokens = body.get("tokens")
+        vocab = len(self.tokenizer)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in tokens):
+            raise BadRequest(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+
+def _add_usage(total: Usage, part: Usage) -> None:
+    total.prompt_tokens += part.prompt_tokens
+    total.completion_tokens += part.completion_tokens
+    total.cached_tokens += part.cached_tokens
+
+
+async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator[tuple[int, StreamUpdate]]:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+async def _merge(streams: list[AsyncIterator[StreamUpdate]]) -> AsyncIterator:
+    """Interleave several prompts' streams. The first item is a list: each stream's first update
+    (so every refusal surfaces before the response starts); then (prompt index, update) pairs."""
+    if len(streams) == 1:  # the common case, without tasks
+        stream = streams[0]
+        try:
+            first = await anext(stream, None)
+            if first is None:
+                raise UpstreamError(grpc.StatusCode.INTERNAL, "the scheduler ended the request without output")
+            yield [(0, first)]
+            async for update in stream:
+                yield 0, update
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StreamUpdate]) -> None:
+        try:
+            async for update in stream:
+                await queue.put((index, update))
+        except BaseException as e:
+            await queue.put((index, e))
+            raise
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        firsts, open_streams, seen = [], len(streams), set()
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if len(seen) < len(streams):
+                firsts.append((index, item))
+                seen.add(index)
+                if len(seen) == len(streams):
+                    yield firsts
+                continue
+            yield index, item
+        if len(seen) < len(streams):
+            yield firsts
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,123 @@
+"""`metroserve serve`: the whole stack on one machine, as separate processes on loopback.
+
+One scheduler, --workers N worker processes (each owns its own KV pool) and one gateway, each
+started as `metroserve <component>` so they behave exactly as in a real deployment. The model
+is resolved (a GGUF converted) once, before the workers start, so they never race on the cache.
+A worker that exits unexpectedly is restarted; SIGINT/SIGTERM stops the gateway, drains the
+workers, then stops the scheduler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from worker.config import EngineConfig
+
+logger = logging.getLogger("metroserve.serve")
+
+WORKER_RESTART_DELAY_S = 1.0
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if serve itself dies, so no orphan keeps a port or a KV pool."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ServeOptions:
+    engine: EngineConfig
+    served_model_name: str
+    workers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50052
+    scheduler_port: int = 50051
+    kvstore: str = "memory"
+    api_key: str | None = None
+    max_queue_len: int = 1024
+    extra: dict = field(default_factory=dict)
+
+
+class Stack:
+    def __init__(self, options: ServeOptions):
+        self.options = options
+        self.scheduler: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
+        self._stopping = False
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "services.cli", *args], preexec_fn=_die_with_parent,
+                                start_new_session=True)
+
+    def _worker_argv(self, worker_id: str) -> list[str]:
+        o = self.options
+        return ["worker", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--worker-id", worker_id,
+                "--served-model-name", o.served_model_name, *o.engine.to_cli_args()]
+
+    def start(self) -> None:
+        o = self.options
+        self.scheduler = self._spawn(["scheduler", "--host", "127.0.0.1", "--port", str(o.scheduler_port),
+                                      "--kvstore", o.kvstore, "--max-queue-len", str(o.max_queue_len)])
+        for i in range(o.workers):
+            worker_id = f"worker-{i}"
+            self.workers[worker_id] = self._spawn(self._worker_argv(worker_id))
+        gateway = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
+                   "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name]
+        if o.engine.model:
+            gateway += ["--model", o.engine.model]
+        if o.api_key:
+            gateway += ["--api-key", o.api_key]
+        self.gateway = self._spawn(gateway)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> bool:
+        """Poll the gateway's /health until every part is up (a worker loading the model takes a while)."""
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.options.host if self.options.host != '0.0.0.0' else '127.0.0.1'}:{self.options.port}/health"
+        while time.monotonic() < deadline:
+            if self.scheduler.poll() is not None or self.gateway.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        return False
+
+    def supervise(self) -> int:
+        """Restart dead workers until asked to stop; returns the exit code."""
+        while not self._stopping:
+            if self.scheduler.poll() is not None or self.gateway.poll() is not None:
+                logger.error("the %s exited; stopping", "scheduler" if self.scheduler.poll() is not None else "gateway")
+                self.stop()
+                return 1
+            for worker_id, proc in list(self.workers.items()):
+                if proc.poll() is not None and not self._stopping:
+                    logger.warning("%s exited with %s; restarting it", worker_id, proc.returncode)
+                    time.sleep(WORKER_RESTART_DELAY_S)
+                    self.workers[worker_id] = self._spawn(self._worker_argv(worker_id))
+            time.sleep(0.5)
+        return 0
+
+    def stop(self) -> None:
+        self._stopping = True
+        for group in ([self.gateway], list(self.workers.values()), [self.scheduler]):
+            procs = [p for p in group if p is not None and p.poll() is None]
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()

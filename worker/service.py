@@ -1,0 +1,232 @@
+"""The worker process: one engine (one device's KV pool) on a stream to the scheduler.
+
+The worker dials the scheduler and keeps one bidirectional gRPC stream open for its life:
+assignments and aborts come down; after every engine step, one message goes up with every
+sequence's new tokens, the load, and the prefix-cache blocks stored and evicted in that step.
+Nothing here runs inside the step itself: the engine's StepSink hands over the step's outputs on
+the event loop, and the message is built and sent there.
+
+SIGTERM drains: readiness goes off, the scheduler stops placing here, running sequences finish
+(or, after --drain-timeout, are handed back for the scheduler to move), then the process exits.
+If the stream breaks, every placement is dropped (the scheduler moves them) and the worker dials
+again, reporting the blocks it still holds so the prefix index recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from metroserve_rpc import cluster_pb2, cluster_pb2_grpc, generation_pb2
+from metroserve_rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
+from worker.async_engine import AsyncEngine, EngineDeadError
+from worker.config import EngineConfig
+from worker.model_files import served_model_name
+from worker.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_DELAY_S = 0.5
+
+
+@dataclass
+class WorkerOptions:
+    scheduler: str  # host:port
+    worker_id: str
+    health_port: int = 0  # 0: no health server
+    drain_timeout_s: float = 30.0
+    served_model_name: str | None = None
+
+
+class WorkerService:
+    def __init__(self, config: EngineConfig, options: WorkerOptions):
+        self.options = options
+        self.model_name = options.served_model_name or served_model_name(config.model)
+        self.epoch = random.getrandbits(63)  # a restarted process never matches its old blocks
+        self.engine = AsyncEngine(config, detokenize=False, sink=self, record_block_events=True)
+        self.active: set[str] = set()  # placement ids submitted and not finished
+        self._outputs: list[cluster_pb2.PlacementOutput] = []
+        self._rejected: list[cluster_pb2.Rejection] = []
+        self._stored: list[bytes] = []
+        self._removed: list[bytes] = []
+        self._handed_back: list[str] = []
+        self._outbox = asyncio.Event()
+        self._heartbeat_s = 1.0
+        self._draining = False
+        self._stop = asyncio.Event()
+        self._dead: EngineDeadError | None = None
+        self.health = health.aio.HealthServicer()
+        self._idle = asyncio.Event()  # set while no placement is active: what a drain waits for
+        self._sent = asyncio.Event()  # set after each message goes out
+
+    # -- StepSink: called on the event loop after every engine step ------------------------
+
+    def step_done(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            seqs = []
+            for c in out.outputs:
+                if not c.token_ids and not out.finished:
+                    continue
+                delta = generation_pb2.SequenceDelta(index=c.index, token_ids=c.token_ids,
+                                                     finish_reason=c.finish_reason or "")
+                if c.logprobs is not None:
+                    delta.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in zip(c.token_ids, c.logprobs))
+                if isinstance(c.stop_reason, int):
+                    delta.stop_token_id = c.stop_reason
+                seqs.append(delta)
+            if seqs:
+                self._outputs.append(cluster_pb2.PlacementOutput(
+                    placement_id=out.request_id, num_cached_tokens=out.num_cached_tokens, seqs=seqs))
+            if out.finished:
+                self._discard(out.request_id)
+        stored, removed = self.engine.engine.block_manager.take_events()
+        self._stored.extend(stored)
+        self._removed.extend(removed)
+        self._outbox.set()
+
+    def _discard(self, placement_id: str) -> None:
+        self.active.discard(placement_id)
+        if not self.active:
+            self._idle.set()
+
+    def rejected(self, request_id: str, error: Exception) -> None:
+        self._discard(request_id)
+        self._rejected.append(cluster_pb2.Rejection(placement_id=request_id, message=str(error)))
+        self._outbox.set()
+
+    def failed(self, error: EngineDeadError) -> None:
+        self._dead = error
+        self._stop.set()
+
+    # -- the stream --------------------------------------------------------------------------
+
+    def _load(self) -> cluster_pb2.LoadReport:
+        s = self.engine.engine.stats()
+        return cluster_pb2.LoadReport(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions)
+
+    def _register_message(self) -> cluster_pb2.WorkerMessage:
+        return cluster_pb2.WorkerMessage(register=cluster_pb2.Register(
+            worker_id=self.options.worker_id, epoch=self.epoch, model=self.model_name,
+            limits=limits_to_proto(self.engine.engine.limits), pid=os.getpid(), host=socket.gethostname()))
+
+    async def _outgoing(self):
+        yield self._register_message()
+        # Everything the pool holds now: after a reconnect the scheduler's index starts from this.
+        # Whatever was queued for the previous stream concerns placements that died with it.
+        self._stored = list(self.engine.engine.block_manager.cached.keys())
+        self._outputs, self._rejected, self._removed, self._handed_back = [], [], [], []
+        self._outbox.set()
+        while True:
+            try:
+                await asyncio.wait_for(self._outbox.wait(), self._heartbeat_s)
+            except asyncio.TimeoutError:
+                pass  # idle: the load report doubles as the heartbeat
+            self._outbox.clear()
+            msg = cluster_pb2.WorkerMessage(outputs=self._outputs, rejected=self._rejected, load=self._load(),
+                                            blocks_stored=self._stored, blocks_removed=self._removed,
+                                            draining=self._draining, handed_back=self._handed_back)
+            self._outputs, self._rejected, self._stored, self._removed, self._handed_back = [], [], [], [], []
+            yield msg
+            self._sent.set()
+
+    def _handle(self, msg: cluster_pb2.SchedulerMessage) -> None:
+        if msg.heartbeat_interval_s > 0:
+            self._heartbeat_s = msg.heartbeat_interval_s
+        for pid in msg.abort:
+            self._discard(pid)
+            self.engine.abort(pid)
+        for a in msg.assign:
+            try:
+                params = params_from_proto(a.params)
+                self.engine.submit(list(a.prompt_token_ids), params, a.placement_id, priority=a.priority,
+                                   cache_salt=a.cache_salt or None, resume_token_ids=list(a.resume_token_ids))
+            except ValueError as e:
+                self.rejected(a.placement_id, e)
+                continue
+            self.active.add(a.placement_id)
+            self._idle.clear()
+
+    async def _session(self) -> None:
+        """One connection to the scheduler, until the stream ends or the worker stops."""
+        async with grpc.aio.insecure_channel(self.options.scheduler) as channel:
+            call = cluster_pb2_grpc.WorkerHubStub(channel).Connect(self._outgoing())
+            reader = asyncio.ensure_future(self._read(call))
+            stopper = asyncio.ensure_future(self._stop.wait())
+            try:
+                await asyncio.wait([reader, stopper], return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    reader.result()
+            finally:
+                stopper.cancel()
+                reader.cancel()
+                call.cancel()
+
+    async def _read(self, call) -> None:
+        async for msg in call:
+            self._handle(msg)
+        logger.warning("scheduler closed the stream")
+
+    async def _connect_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self._session()
+            except grpc.aio.AioRpcError as e:
+                logger.warning("scheduler stream at %s: %s", self.options.scheduler, e.details() or e.code())
+            # The scheduler treats a broken stream as this worker's death and moves its placements.
+            for pid in list(self.active):
+                self.engine.abort(pid)
+                self._discard(pid)
+            if not self._stop.is_set():
+                await asyncio.sleep(RECONNECT_DELAY_S)  # back off before dialing again
+
+    async def _drain(self) -> None:
+        """SIGTERM: readiness off, stop taking work, finish or hand back what runs, then stop."""
+        logger.info("draining %d placements", len(self.active))
+        self._draining = True
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._outbox.set()
+        if self.active:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), self.options.drain_timeout_s)
+            except asyncio.TimeoutError:
+                self._handed_back = sorted(self.active)
+                for pid in self._handed_back:
+                    self.engine.abort(pid)
+                    self._discard(pid)
+                self._sent.clear()
+                self._outbox.set()
+                await asyncio.wait_for(self._sent.wait(), 5.0)  # the hand-back must reach the scheduler
+        self._stop.set()
+
+    async def run(self) -> None:
+        server = None
+        if self.options.health_port:
+            server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            server.add_insecure_port(f"0.0.0.0:{self.options.health_port}")
+            await server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(self._drain()))
+        logger.info("worker %s (epoch %d) serving %s, dialing the scheduler at %s", self.options.worker_id,
+                    self.epoch, self.model_name, self.options.scheduler)
+        try:
+            await self._connect_loop()
+        finally:
+            await self.engine.shutdown()
+            if server is not None:
+                await server.stop(0.5)
+        if self._dead is not None:
+            raise SystemExit(f"worker {self.options.worker_id}: {self._dead}")
