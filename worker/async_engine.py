@@ -179,19 +179,19 @@ class AsyncEngine:
                 touched = await loop.run_in_executor(self._executor, self.engine.step)
                 self._publish(touched)
         except asyncio.CancelledError:
-            self._fail_all(EngineDeadError("engine shut down"))
+            self._fail_all(EngineDeadError("engine shut down"), notify_sink=False)
             raise
         except Exception as e:  # a bug or device failure: fail every stream rather than hang them
             logger.exception("engine step loop failed")
             self._error = e
             self._fail_all(EngineDeadError(f"engine step loop failed: {e!r}"))
 
-    def _fail_all(self, error: EngineDeadError) -> None:
+    def _fail_all(self, error: EngineDeadError, notify_sink: bool = True) -> None:
         for queue, _ in self._queues.values():
             if queue is not None:
                 queue.put_nowait(error)
         self._queues.clear()
-        if self._sink is not None:
+        if self._sink is not None and notify_sink:
             self._sink.failed(error)
 
     async def shutdown(self) -> None:

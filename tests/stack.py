@@ -1,0 +1,102 @@
+"""A real `metroserve serve` stack (separate processes on loopback) for service tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll until predicate() is truthy; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class ServeStack:
+    def __init__(self, model: Path | str, workers: int = 1, extra_args: list[str] = (), log_path: Path | None = None,
+                 env: dict | None = None):
+        self.port, self.grpc_port, self.scheduler_port = free_port(), free_port(), free_port()
+        self.args = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--workers", str(workers),
+                     "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+                     "--scheduler-port", str(self.scheduler_port), "--kv-cache-memory", "256MiB", *extra_args]
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def start(self, timeout_s: float = 300) -> "ServeStack":
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        wait_for(lambda: self.proc.poll() is not None or self.healthy(), timeout_s, "the stack to become ready", 0.3)
+        assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}; log: {self.log_tail()}"
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def cluster_status(self):
+        from metroserve_rpc import cluster_pb2, cluster_pb2_grpc
+
+        with grpc.insecure_channel(self.scheduler_address) as channel:
+            return cluster_pb2_grpc.ClusterStub(channel).GetStatus(cluster_pb2.ClusterStatusRequest(), timeout=5)
+
+    def wait_idle(self, timeout_s: float = 30):
+        """Until no request is queued or active and every worker reports all its KV blocks free."""
+        def idle():
+            s = self.cluster_status()
+            ok = s.queue_depth == 0 and s.num_active_requests == 0 and s.workers and all(
+                w.load.num_free_blocks == w.load.num_total_blocks and w.num_placed == 0 for w in s.workers)
+            return s if ok else None
+        return wait_for(idle, timeout_s, "every worker's blocks to be free and the queue empty", 0.2)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path and self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServeStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,192 @@
+"""The cluster under load, as real processes: prefix-aware placement, client disconnects, a worker
+killed mid-stream, and Redis restarted mid-run. Tiny random Llama, 2 workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+
+import openai
+import pytest
+
+from tests.redis_server import RedisServer
+from tests.stack import ServeStack, wait_for
+
+SYSTEM = ("You are a careful assistant for a library. Answer questions about the catalogue, opening hours, "
+          "loans and fines. Keep answers short and polite, and never invent a book that is not listed. ") * 6
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    with ServeStack(tiny_model_dir, workers=2, extra_args=["--served-model-name", "tiny"], log_path=tmp_path_factory.mktemp("serve") / "serve.log") as s:
+        yield s
+
+
+def _placements(stack) -> Counter:
+    return Counter(dict(stack.cluster_status().placements_by_worker))
+
+
+async def _run_all(jobs, limit: int):
+    gate = asyncio.Semaphore(limit)
+
+    async def bounded(job):
+        async with gate:
+            return await job
+
+    return await asyncio.gather(*(bounded(j) for j in jobs))
+
+
+def _chats(stack, conversations: list[tuple[str | None, str]], limit: int):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused")
+
+        async def chat(system: str | None, question: str):
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": question})
+            return await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+
+        return await _run_all([chat(*c) for c in conversations], limit)
+
+    return asyncio.run(run())
+
+
+def test_prefix_aware_placement(stack):
+    before = _placements(stack)
+    _chats(stack, [(SYSTEM, "Are you open on Sunday?")], 1)
+    warm = _placements(stack) - before
+    (holder,) = warm.keys()
+
+    before = _placements(stack)
+    replies = _chats(stack, [(SYSTEM, f"Question number {i}: can I renew a loan?") for i in range(20)], 4)
+    shared = _placements(stack) - before
+    assert sum(shared.values()) == 20
+    assert shared[holder] >= 18, f"only {shared[holder]}/20 shared-prefix requests went to {holder}: {shared}"
+    assert all(r.usage.prompt_tokens_details.cached_tokens >= 128 for r in replies if shared[holder] == 20)
+
+    before = _placements(stack)
+    unrelated = [f"{i} " + " ".join(f"w{(i * 7919 + k) % 997}" for k in range(40)) for i in range(20)]
+    _chats(stack, [(None, u) for u in unrelated], 4)
+    spread = _placements(stack) - before
+    assert sum(spread.values()) == 20
+    assert len(spread) == 2 and min(spread.values()) >= 5, f"unrelated prompts did not spread: {spread}"
+    stack.wait_idle()
+
+
+def test_disconnects_free_every_block(stack):
+    """200 streaming requests; 40 clients hang up after two chunks. Nothing stays allocated."""
+    async def one(client, i: int):
+        stream = await client.completions.create(model="tiny", prompt=f"Request {i}: tell me about " + "books " * (i % 30),
+                                                 max_tokens=48, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        chunks = 0
+        async for chunk in stream:
+            chunks += 1
+            if i % 5 == 0 and chunks == 2:
+                await stream.close()  # the client goes away mid-stream
+                return "disconnected"
+        return chunk.choices[0].finish_reason if chunk.choices else "no-finish"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+        return await _run_all([one(client, i) for i in range(200)], 64)
+
+    results = asyncio.run(run())
+    assert results.count("disconnected") == 40
+    assert results.count("length") == 160
+    status = stack.wait_idle()
+    assert all(w.load.num_total_blocks > 0 for w in status.workers)
+
+
+def test_worker_killed_mid_stream_loses_nothing(stack):
+    """SIGKILL one of 2 workers during 16 streaming greedy requests: every stream completes with the
+    same text as an undisturbed run (the scheduler re-places the sequences with their tokens)."""
+    prompts = [f"Story {i}: " + "the library opened its doors and " * (1 + i % 4) for i in range(16)]
+    progress = Counter()
+
+    async def one(client, i: int) -> tuple[str, str, int]:
+        stream = await client.completions.create(model="tiny", prompt=prompts[i], max_tokens=1500, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        text, finish, tokens = [], None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+                progress[i] += 1
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return "".join(text), finish, tokens
+
+    async def undisturbed_run():
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    undisturbed = asyncio.run(undisturbed_run())
+    assert all(finish == "length" and tokens == 1500 for _, finish, tokens in undisturbed)
+    stack.wait_idle()
+    migrations_before = stack.cluster_status().num_migrations
+
+    async def with_kill():
+        progress.clear()
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+        tasks = [asyncio.ensure_future(one(client, i)) for i in range(16)]
+        deadline = asyncio.get_running_loop().time() + 120
+        while not (len(progress) == 16 and min(progress.values()) >= 10):  # every stream is under way
+            assert asyncio.get_running_loop().time() < deadline, "streams did not start"
+            await asyncio.sleep(0.01)
+        status = await asyncio.to_thread(stack.cluster_status)
+        victim = max(status.workers, key=lambda w: w.num_placed)
+        assert victim.num_placed > 0
+        os.kill(victim.pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks), victim
+
+    disturbed, victim = asyncio.run(with_kill())
+    for i, (before, after) in enumerate(zip(undisturbed, disturbed)):
+        assert after == before, f"request {i} changed after {victim.worker_id} was killed"
+    assert stack.cluster_status().num_migrations > migrations_before
+    wait_for(lambda: len(stack.cluster_status().workers) == 2, 120, "serve to restart the killed worker")
+    stack.wait_idle()
+
+
+def test_redis_restart_mid_run(tiny_model_dir, tmp_path):
+    """With --kvstore redis: Redis restarted mid-run; serving continues and the index is rebuilt in it."""
+    import redis
+
+    with RedisServer() as server, ServeStack(tiny_model_dir, workers=1, extra_args=["--kvstore", server.url, "--served-model-name", "tiny"],
+                                             log_path=tmp_path / "serve.log") as stack:
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+        r = redis.Redis.from_url(server.url)
+
+        def ask(i: int):
+            reply = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i}"}])
+            assert reply.choices[0].finish_reason in ("length", "stop")
+            return reply
+
+        def index_in_redis():
+            status = stack.cluster_status()
+            (worker,) = status.workers
+            held = r.scard(f"metroserve:wblk:{worker.worker_id}")
+            return held if held and held == worker.num_index_blocks else None
+
+        ask(0)
+        before = wait_for(index_in_redis, 30, "the prefix index in Redis")
+        server.restart()
+        assert r.dbsize() == 0  # a restarted Redis has nothing
+        for i in range(1, 5):  # serving goes on while Redis is empty or reconnecting
+            ask(i)
+        after = wait_for(index_in_redis, 30, "the prefix index to be rebuilt in Redis")
+        assert after >= before
+
+        # Request state is recorded while a request runs, with its tokens so far.
+        stream = client.completions.create(model="tiny", prompt="A long story about a library: ", max_tokens=600,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        keys = wait_for(lambda: [k for k in r.scan_iter("metroserve:req:*:out:0") if r.llen(k) >= 1], 30,
+                        "the running request's tokens in Redis")
+        assert keys
+        stream.close()
+        stack.wait_idle()
+        wait_for(lambda: not list(r.scan_iter("metroserve:req:*")), 30, "finished request state to be deleted")

@@ -1,0 +1,334 @@
+"""Invariant 3 at the service edge: bad input to a running `metroserve serve` stack gets a 400 with an
+OpenAI-style error body (gRPC: INVALID_ARGUMENT), never a 500 and never a crash; unknown fields are
+ignored as OpenAI's API does; the stack keeps serving correctly afterwards."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import grpc
+import openai
+import pytest
+
+from metroserve_rpc import generation_pb2, generation_pb2_grpc
+from tests.stack import ServeStack
+
+VOCAB = 512  # the tiny model's vocabulary
+CONTEXT = 2048  # the tiny model's max_position_embeddings
+MAX_BODY_BYTES = 8 << 20  # the gateway's default --max-body-bytes
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+BASE = {COMPLETIONS: {"prompt": "Hello there", "max_tokens": 4},
+        CHAT: {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}}
+NORMAL = {"prompt": "The paged KV cache", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+LONG_TEXT = "hello world " * 1200  # ~2400+ tokens with the tiny tokenizer: over the 2048 context
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    with ServeStack(tiny_model_dir, workers=1, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def model_id(stack) -> str:
+    status, _, body = post(stack, "/v1/models", None, method="GET")
+    assert status == 200, body
+    return body["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def baseline(stack) -> dict:
+    """A greedy completion taken before any bad input (the first test to ask for it runs it)."""
+    status, _, body = post(stack, COMPLETIONS, NORMAL)
+    assert status == 200, body
+    return body
+
+
+def post(stack: ServeStack, path: str, body, method: str = "POST") -> tuple[int, str, dict | None]:
+    """Raw HTTP: dict bodies are JSON-encoded, bytes are sent as is. Returns (status, content type, JSON or None)."""
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=60)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        reply = conn.getresponse()
+        raw = reply.read()
+        ctype = reply.getheader("Content-Type", "")
+    finally:
+        conn.close()
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    return reply.status, ctype, parsed if parsed is not None else {"_raw": raw[:500].decode(errors="replace")}
+
+
+def assert_openai_400(status: int, ctype: str, body: dict) -> None:
+    assert status == 400, body
+    assert ctype.startswith("application/json"), ctype  # a plain error, never an SSE stream
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"].strip(), err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert err["param"] is None or isinstance(err["param"], str), err
+    assert err["code"] is None or isinstance(err["code"], str), err
+
+
+def test_normal_request_before_bad_input(stack, baseline):
+    """Takes the baseline the last test compares against."""
+    assert baseline["choices"][0]["text"]
+    assert baseline["usage"]["completion_tokens"] == NORMAL["max_tokens"]
+
+
+# -- REST: each bad body, on both endpoints, streaming or not ---------------------------------------
+
+# id -> overrides merged into BASE[endpoint]; endpoint-specific ones say which endpoints they apply to.
+FIELD_CASES = {
+    "temperature-str": {"temperature": "hot"},
+    "max_tokens-str": {"max_tokens": "10"},
+    "n-float": {"n": 1.5},
+    "logit_bias-list": {"logit_bias": [1, 2]},
+    "unknown-model": {"model": "no-such-model"},
+    "n-too-large": {"n": 1000},
+    "max_tokens-negative": {"max_tokens": -5},
+    "max_tokens-zero": {"max_tokens": 0},
+    "stop-int": {"stop": 5},
+    "stop-empty-string": {"stop": [""]},
+    "stop-int-list": {"stop": [1, 2]},
+    "top_p-2": {"top_p": 2},
+    "max_tokens-past-context": {"max_tokens": CONTEXT + 10},
+}
+COMPLETION_ONLY = {
+    "prompt-number": {"prompt": 42},
+    "prompt-ids-too-long": {"prompt": [5] * 2100},
+    "prompt-text-too-long": {"prompt": LONG_TEXT},
+    "prompt-id-outside-vocab": {"prompt": [5, 6, VOCAB]},
+    "prompt-id-negative": {"prompt": [5, -1]},
+    "prompt-empty": {"prompt": ""},
+}
+CHAT_ONLY = {
+    "messages-not-a-list": {"messages": "hello"},
+    "messages-empty": {"messages": []},
+    "message-role-missing": {"messages": [{"content": "hi"}]},
+    "chat-text-too-long": {"messages": [{"role": "user", "content": LONG_TEXT}]},
+    "max_completion_tokens-negative": {"max_completion_tokens": -1},
+}
+
+
+def _cases():
+    for endpoint in (COMPLETIONS, CHAT):
+        only = COMPLETION_ONLY if endpoint == COMPLETIONS else CHAT_ONLY
+        for name, overrides in {**FIELD_CASES, **only}.items():
+            for stream in (False, True):
+                yield pytest.param(endpoint, overrides, stream, id=f"{endpoint.rsplit('/', 1)[1]}-{name}-"
+                                   f"{'stream' if stream else 'plain'}")
+
+
+@pytest.mark.parametrize("endpoint, overrides, stream", list(_cases()))
+def test_bad_field_gets_400(stack, endpoint, overrides, stream):
+    body = {**BASE[endpoint], **overrides}
+    if stream:
+        body["stream"] = True
+    assert_openai_400(*post(stack, endpoint, body))
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x",', b"\xff\xfe", b"", b"[1, 2]", b'"a string"', b"null"],
+                         ids=["malformed", "truncated", "not-utf8", "empty", "array", "string", "null"])
+def test_body_that_is_not_a_json_object_gets_400(stack, endpoint, raw):
+    assert_openai_400(*post(stack, endpoint, raw))
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("value", ["yes", 1, "true"])
+def test_stream_of_the_wrong_type_gets_400(stack, endpoint, value):
+    assert_openai_400(*post(stack, endpoint, {**BASE[endpoint], "stream": value}))
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+def test_oversized_body_gets_400(stack, endpoint, stream):
+    body = dict(BASE[endpoint])
+    body["stream"] = stream
+    body["padding"] = "a" * (MAX_BODY_BYTES + 1024)  # an unknown field: only the size is wrong
+    status, ctype, reply = post(stack, endpoint, body)
+    assert_openai_400(status, ctype, reply)
+    assert reply["error"]["code"] == "body_too_large"
+
+
+def test_unknown_model_error_names_the_model(stack):
+    status, ctype, body = post(stack, COMPLETIONS, {**BASE[COMPLETIONS], "model": "no-such-model"})
+    assert_openai_400(status, ctype, body)
+    assert body["error"]["param"] == "model" and "no-such-model" in body["error"]["message"]
+
+
+def test_too_long_prompt_error_names_the_context_length(stack):
+    status, ctype, body = post(stack, COMPLETIONS, {**BASE[COMPLETIONS], "prompt": [5] * 2100})
+    assert_openai_400(status, ctype, body)
+    assert "2100" in body["error"]["message"] and str(CONTEXT) in body["error"]["message"]
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_unknown_fields_are_ignored(stack, endpoint, model_id):
+    body = {**BASE[endpoint], "model": model_id, "foo": 1, "user": "x", "metadata": {"a": "b"},
+            "response_format": {"type": "json_object"}, "service_tier": "auto", "store": False}
+    status, _, reply = post(stack, endpoint, body)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert reply["usage"]["completion_tokens"] >= 1
+    assert choice["finish_reason"] in ("length", "stop")
+
+
+def test_openai_client_raises_bad_request(stack, model_id):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_id, prompt="hi", max_tokens=-1)
+    assert err.value.status_code == 400 and "max_tokens" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, stream=True)
+    assert err.value.status_code == 400 and "no-such-model" in err.value.message
+
+
+# -- gRPC ---------------------------------------------------------------------------------------------
+
+
+def _grpc_generate(address: str, request: generation_pb2.GenerateRequest) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
+    return err.value
+
+
+def _params(**kwargs) -> generation_pb2.SamplingParams:
+    return generation_pb2.SamplingParams(max_tokens=4, **kwargs)
+
+
+GRPC_CASES = {
+    "unknown-model": generation_pb2.GenerateRequest(model="no-such-model", text="hi", params=_params()),
+    "no-prompt": generation_pb2.GenerateRequest(params=_params()),
+    "top_p-2": generation_pb2.GenerateRequest(text="hi", params=_params(top_p=2.0)),
+    "prompt-ids-too-long": generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5] * 2100),
+                                                          params=_params()),
+    "prompt-id-outside-vocab": generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, VOCAB]),
+                                                              params=_params()),
+    "n-too-large": generation_pb2.GenerateRequest(text="hi", params=_params(n=1000)),
+    "max_tokens-zero": generation_pb2.GenerateRequest(text="hi", params=generation_pb2.SamplingParams(max_tokens=0)),
+    "empty-text": generation_pb2.GenerateRequest(text="", params=_params()),
+}
+
+
+@pytest.mark.parametrize("name", list(GRPC_CASES))
+def test_grpc_gateway_invalid_argument(stack, name):
+    err = _grpc_generate(f"127.0.0.1:{stack.grpc_port}", GRPC_CASES[name])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+    assert err.details()
+
+
+def test_grpc_scheduler_refuses_text_prompt(stack):
+    err = _grpc_generate(stack.scheduler_address, generation_pb2.GenerateRequest(text="hi", params=_params()))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token ids" in err.details()
+
+
+def test_grpc_scheduler_refuses_bad_token_ids(stack):
+    err = _grpc_generate(stack.scheduler_address, generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=[5] * 2100), params=_params()))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- tokenize / detokenize / models / health ------------------------------------------------------------
+
+
+def test_tokenize_then_detokenize_round_trips(stack):
+    text = "The quick brown fox jumps over the lazy dog."
+    status, _, tok = post(stack, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert status == 200, tok
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == CONTEXT
+    assert all(isinstance(t, int) and 0 <= t < VOCAB for t in tok["tokens"])
+    status, _, detok = post(stack, "/detokenize", {"tokens": tok["tokens"]})
+    assert status == 200, detok
+    assert detok["prompt"] == text
+
+
+def test_tokenize_chat_messages(stack):
+    status, _, tok = post(stack, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, tok
+    assert tok["count"] == len(tok["tokens"]) > 2  # the template adds role markers around "hi"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/detokenize", {"tokens": [-1]}),
+    ("/detokenize", {"tokens": [5, VOCAB]}),
+    ("/detokenize", {"tokens": "abc"}),
+    ("/detokenize", {"tokens": [True]}),
+    ("/detokenize", {}),
+    ("/detokenize", b"{not json"),
+    ("/tokenize", {"prompt": 5}),
+    ("/tokenize", {}),
+    ("/tokenize", {"messages": "hi"}),
+    ("/tokenize", {"prompt": "hi", "model": "no-such-model"}),
+    ("/tokenize", b"[1]"),
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else (v.decode() if isinstance(v, bytes) else v))
+def test_tokenize_detokenize_bad_input_gets_400(stack, path, body):
+    assert_openai_400(*post(stack, path, body))
+
+
+def test_models_lists_one_model(stack, model_id):
+    status, _, body = post(stack, "/v1/models", None, method="GET")
+    assert status == 200
+    assert body["object"] == "list" and len(body["data"]) == 1
+    assert body["data"][0]["id"] == model_id and body["data"][0]["max_model_len"] == CONTEXT
+
+
+def test_health(stack):
+    status, _, body = post(stack, "/health", None, method="GET")
+    assert status == 200 and body == {"status": "ok"}
+
+
+def test_unknown_route_gets_openai_style_404(stack):
+    status, _, body = post(stack, "/v1/nope", {})
+    assert status == 404 and isinstance(body["error"]["message"], str)
+
+
+# -- after all of that ------------------------------------------------------------------------------------
+
+
+def test_stack_still_serves_correctly_after_bad_input(stack, baseline):
+    """Nothing above crashed a process, leaked a block or changed what a normal request gets."""
+    assert stack.proc.poll() is None, stack.log_tail()
+    assert stack.healthy()
+    status, _, body = post(stack, COMPLETIONS, NORMAL)
+    assert status == 200, body
+    text = body["choices"][0]["text"]
+    assert text and text == baseline["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == NORMAL["max_tokens"]
+    status, _, chat = post(stack, CHAT, {**BASE[CHAT], "temperature": 0, "ignore_eos": True})
+    assert status == 200 and chat["choices"][0]["message"]["content"], chat
+    status = stack.wait_idle()
+    assert status.num_rejected > 0  # the scheduler did see (and refuse) some of the bad requests
+    log = stack.log_tail(10**7)
+    assert "Traceback" not in log and "Error handling request" not in log, log[-4000:]
+
+
+# -- known bug: integers outside the wire types' range ----------------------------------------------------
+
+OUT_OF_RANGE = {
+    "max_tokens": {"max_tokens": 2**31},
+    "seed": {"seed": 2**64},
+    "priority": {"priority": 2**31},
+    "stop_token_ids": {"stop_token_ids": [2**31]},
+    "logit_bias-key": {"logit_bias": {str(2**31): 1}},
+    "prompt-token-id": {"prompt": [5, 2**31]},
+}
+
+
+@pytest.mark.xfail(strict=True, reason="services: an integer outside the proto field's int32/int64 range makes "
+                   "params_to_proto / GenerateRequest raise ValueError in text_stream.stream_text, which the REST "
+                   "middleware does not catch: 500 instead of 400")
+@pytest.mark.parametrize("name", list(OUT_OF_RANGE))
+def test_integer_out_of_wire_range_gets_400(stack, name):
+    """Runs after the log check above, since today each of these logs a traceback in the gateway."""
+    assert_openai_400(*post(stack, COMPLETIONS, {**BASE[COMPLETIONS], **OUT_OF_RANGE[name]}))
+    assert stack.proc.poll() is None
