@@ -135,7 +135,7 @@ def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, sche
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks import throughput
+    from benchmarks import serve_overhead, throughput
     from worker.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="metroserve", description="LLM serving with a paged KV cache and continuous batching.")
@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     throughput.add_arguments(tp)
     tp.set_defaults(func=throughput.run)
+    ov = bench_sub.add_parser("overhead", help="the service path (REST -> gateway -> scheduler -> worker) vs offline",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve_overhead.add_arguments(ov)
+    ov.set_defaults(func=serve_overhead.run)
     return parser
 
 

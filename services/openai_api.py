@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from metroserve_rpc import generation_pb2
 from services.text_stream import TextDelta, Usage
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import SamplingParams, field_in_error
 
 # Body field -> SamplingParams field, where they differ only in presence, not meaning.
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -65,7 +65,14 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None) -
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
     except (ValueError, TypeError) as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(str(e), param=field_in_error(str(e))) from None
+
+
+def _priority(body: dict) -> int:
+    priority = _get(body, "priority", int, 0)
+    if not -2**31 <= priority < 2**31:
+        raise BadRequest("priority must be a 32-bit integer", param="priority")
+    return priority
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -87,13 +94,14 @@ def parse_completion(body: dict, tokenizer) -> GenerationRequest:
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of those",
                          param="prompt")
     token_prompts = []
+    vocab = len(tokenizer)
     for p in prompts:
         if isinstance(p, str):
             token_prompts.append(tokenizer.encode(p))
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        elif all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in p):
             token_prompts.append(list(p))
         else:
-            raise BadRequest("token id prompts must be lists of integers", param="prompt")
+            raise BadRequest(f"token id prompts must be lists of integers in [0, {vocab})", param="prompt")
     if body.get("echo"):
         raise BadRequest("echo is not supported", param="echo")
     if body.get("suffix"):
@@ -103,7 +111,7 @@ def parse_completion(body: dict, tokenizer) -> GenerationRequest:
     stream, include_usage = _stream_options(body)
     return GenerationRequest(
         model=_get(body, "model", str, ""), prompts=token_prompts, params=_sampling_params(body, max_tokens, logprobs),
-        stream=stream, include_usage=include_usage, priority=_get(body, "priority", int, 0),
+        stream=stream, include_usage=include_usage, priority=_priority(body),
         cache_salt=_get(body, "cache_salt", str), chat=False, logprobs=logprobs is not None)
 
 
@@ -150,7 +158,7 @@ def parse_chat(body: dict, tokenizer) -> GenerationRequest:
     return GenerationRequest(
         model=_get(body, "model", str, ""), prompts=[prompt],
         params=_sampling_params(body, max_tokens, (top or 0) if want_logprobs else None),
-        stream=stream, include_usage=include_usage, priority=_get(body, "priority", int, 0),
+        stream=stream, include_usage=include_usage, priority=_priority(body),
         cache_salt=_get(body, "cache_salt", str), chat=True, logprobs=want_logprobs)
 
 

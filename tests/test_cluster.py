@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 from collections import Counter
 
 import openai
 import pytest
 
 from tests.redis_server import RedisServer
-from tests.stack import ServeStack, wait_for
+from tests.stack import ROOT, ServeStack, wait_for
 
 SYSTEM = ("You are a careful assistant for a library. Answer questions about the catalogue, opening hours, "
           "loans and fines. Keep answers short and polite, and never invent a book that is not listed. ") * 6
@@ -99,14 +101,13 @@ def test_disconnects_free_every_block(stack):
     assert all(w.load.num_total_blocks > 0 for w in status.workers)
 
 
-def test_worker_killed_mid_stream_loses_nothing(stack):
-    """SIGKILL one of 2 workers during 16 streaming greedy requests: every stream completes with the
-    same text as an undisturbed run (the scheduler re-places the sequences with their tokens)."""
-    prompts = [f"Story {i}: " + "the library opened its doors and " * (1 + i % 4) for i in range(16)]
+def _long_streams(stack, prompts: list[str], max_tokens: int, on_progress=None):
+    """Stream every prompt at once (greedy, ignore_eos); on_progress(counter) runs as tokens arrive
+    and may return an awaitable once, e.g. to kill a worker mid-run. Returns (text, finish, tokens)."""
     progress = Counter()
 
-    async def one(client, i: int) -> tuple[str, str, int]:
-        stream = await client.completions.create(model="tiny", prompt=prompts[i], max_tokens=1500, temperature=0,
+    async def one(client, i: int):
+        stream = await client.completions.create(model="tiny", prompt=prompts[i], max_tokens=max_tokens, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True},
                                                  stream_options={"include_usage": True})
         text, finish, tokens = [], None, 0
@@ -119,32 +120,72 @@ def test_worker_killed_mid_stream_loses_nothing(stack):
                 tokens = chunk.usage.completion_tokens
         return "".join(text), finish, tokens
 
-    async def undisturbed_run():
+    async def run():
         client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
-        return await asyncio.gather(*(one(client, i) for i in range(16)))
+        tasks = [asyncio.ensure_future(one(client, i)) for i in range(len(prompts))]
+        if on_progress is not None:
+            deadline = asyncio.get_running_loop().time() + 120
+            while not (len(progress) == len(prompts) and min(progress.values()) >= 10):  # all under way
+                assert asyncio.get_running_loop().time() < deadline, "streams did not start"
+                await asyncio.sleep(0.01)
+            await on_progress()
+        return await asyncio.gather(*tasks)
 
-    undisturbed = asyncio.run(undisturbed_run())
+    return asyncio.run(run())
+
+
+def test_sigterm_drain_hands_back_unfinished_work(stack, tiny_model_dir, tmp_path):
+    """A worker started alone with a short drain timeout joins; SIGTERM mid-stream makes it hand its
+    sequences back. The streams finish elsewhere with the text of an undisturbed run."""
+    prompts = [f"Drain {i}: " + "the catalogue lists " * (1 + i % 3) for i in range(8)]
+    undisturbed = _long_streams(stack, prompts, 1200)
+    log = open(tmp_path / "worker.log", "wb")
+    extra = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--scheduler", stack.scheduler_address,
+                              "--worker-id", "standalone", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
+                              "--kv-cache-memory", "64MiB", "--drain-timeout", "0.5"], cwd=ROOT, stdout=log,
+                             stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(stack.cluster_status().workers) == 3, 120, "the standalone worker to register")
+        handed_back = {}
+
+        async def terminate_standalone():
+            status = await asyncio.to_thread(stack.cluster_status)
+            (standalone,) = [w for w in status.workers if w.worker_id == "standalone"]
+            handed_back["placed"] = standalone.num_placed
+            handed_back["migrations"] = status.num_migrations
+            extra.send_signal(signal.SIGTERM)
+
+        disturbed = _long_streams(stack, prompts, 1200, terminate_standalone)
+        assert extra.wait(timeout=60) == 0
+    finally:
+        if extra.poll() is None:
+            extra.kill()
+    assert handed_back["placed"] > 0, "nothing ran on the standalone worker"
+    assert disturbed == undisturbed
+    assert stack.cluster_status().num_migrations >= handed_back["migrations"] + 1
+    stack.wait_idle()
+
+
+def test_worker_killed_mid_stream_loses_nothing(stack):
+    """SIGKILL one of 2 workers during 16 streaming greedy requests: every stream completes with the
+    same text as an undisturbed run (the scheduler re-places the sequences with their tokens)."""
+    prompts = [f"Story {i}: " + "the library opened its doors and " * (1 + i % 4) for i in range(16)]
+    undisturbed = _long_streams(stack, prompts, 1500)
     assert all(finish == "length" and tokens == 1500 for _, finish, tokens in undisturbed)
     stack.wait_idle()
     migrations_before = stack.cluster_status().num_migrations
+    killed = {}
 
-    async def with_kill():
-        progress.clear()
-        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
-        tasks = [asyncio.ensure_future(one(client, i)) for i in range(16)]
-        deadline = asyncio.get_running_loop().time() + 120
-        while not (len(progress) == 16 and min(progress.values()) >= 10):  # every stream is under way
-            assert asyncio.get_running_loop().time() < deadline, "streams did not start"
-            await asyncio.sleep(0.01)
+    async def kill_busiest_worker():
         status = await asyncio.to_thread(stack.cluster_status)
         victim = max(status.workers, key=lambda w: w.num_placed)
         assert victim.num_placed > 0
         os.kill(victim.pid, signal.SIGKILL)
-        return await asyncio.gather(*tasks), victim
+        killed["worker"] = victim.worker_id
 
-    disturbed, victim = asyncio.run(with_kill())
+    disturbed = _long_streams(stack, prompts, 1500, kill_busiest_worker)
     for i, (before, after) in enumerate(zip(undisturbed, disturbed)):
-        assert after == before, f"request {i} changed after {victim.worker_id} was killed"
+        assert after == before, f"request {i} changed after {killed['worker']} was killed"
     assert stack.cluster_status().num_migrations > migrations_before
     wait_for(lambda: len(stack.cluster_status().workers) == 2, 120, "serve to restart the killed worker")
     stack.wait_idle()

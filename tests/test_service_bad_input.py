@@ -106,6 +106,9 @@ COMPLETION_ONLY = {
     "prompt-id-outside-vocab": {"prompt": [5, 6, VOCAB]},
     "prompt-id-negative": {"prompt": [5, -1]},
     "prompt-empty": {"prompt": ""},
+    "prompt-list-one-too-long": {"prompt": ["fine", [5] * 2100]},
+    "prompt-list-mixed-types": {"prompt": ["fine", 5]},
+    "logprobs-bool": {"logprobs": True},
 }
 CHAT_ONLY = {
     "messages-not-a-list": {"messages": "hello"},
@@ -113,6 +116,9 @@ CHAT_ONLY = {
     "message-role-missing": {"messages": [{"content": "hi"}]},
     "chat-text-too-long": {"messages": [{"role": "user", "content": LONG_TEXT}]},
     "max_completion_tokens-negative": {"max_completion_tokens": -1},
+    "message-content-int": {"messages": [{"role": "user", "content": 5}]},
+    "message-image-part": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    "top_logprobs-without-logprobs": {"top_logprobs": 2},
 }
 
 
@@ -324,9 +330,6 @@ OUT_OF_RANGE = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="services: an integer outside the proto field's int32/int64 range makes "
-                   "params_to_proto / GenerateRequest raise ValueError in text_stream.stream_text, which the REST "
-                   "middleware does not catch: 500 instead of 400")
 @pytest.mark.parametrize("name", list(OUT_OF_RANGE))
 def test_integer_out_of_wire_range_gets_400(stack, name):
     """Runs after the log check above, since today each of these logs a traceback in the gateway."""

@@ -8,10 +8,20 @@ code carries over. Checks that need the model (vocabulary size, context length) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+# Token ids and counts travel as int32 on the wire, seeds as int64.
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+
+
+def field_in_error(message: str) -> str | None:
+    """The field a validation message is about (each starts with the field's name), for error bodies."""
+    name = message.split(" ", 1)[0]
+    return name if name in {f.name for f in fields(SamplingParams)} else None
 
 
 @dataclass
@@ -63,7 +73,7 @@ class SamplingParams:
             fail(f"temperature must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
             fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -73,11 +83,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 fail(f"{name} must be in [-2, 2], got {value!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            fail(f"seed must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.seed is not None and (not _is_int(self.seed) or not -MAX_INT64 - 1 <= self.seed <= MAX_INT64):
+            fail(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
             fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
             fail(f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -90,14 +100,15 @@ class SamplingParams:
             if any(s == "" for s in stops):
                 fail("stop strings must not be empty")
         if self.stop_token_ids is not None and (
-            not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+            not isinstance(self.stop_token_ids, (list, tuple))
+            or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids)
         ):
             fail(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 fail(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
-                if not _is_int(_as_int(token)) or _as_int(token) < 0 or not _is_number(bias):
+                if not _is_int(_as_int(token)) or not 0 <= _as_int(token) <= MAX_INT32 or not _is_number(bias):
                     fail(f"logit_bias entries must be token id -> number, got {token!r}: {bias!r}")
                 if not -100 <= bias <= 100:
                     fail(f"logit_bias values must be in [-100, 100], got {bias!r}")
@@ -108,7 +119,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite int or float (JSON parsers accept NaN and Infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _as_int(token: object) -> object:

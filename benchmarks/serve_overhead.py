@@ -1,0 +1,141 @@
+"""What the service path costs: REST -> gateway -> scheduler -> worker vs the offline engine.
+
+The same requests (the chat workload's prompts as token ids, greedy, ignore_eos so both sides
+produce exactly --max-tokens per request) run through the offline LLM.generate and through a
+`metroserve serve` stack driven by the openai client at --concurrency streams. The engine gets
+the same --max-num-seqs on both sides. Rounds alternate offline and served runs, because this
+machine is noisy; the report gives each run, the medians and their ratio.
+
+    metroserve bench overhead --num-requests 64 --max-tokens 64 --concurrency 32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from benchmarks.workload import build_chat_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--concurrency", type=int, default=32, help="client streams; also the engine's max_num_seqs")
+    parser.add_argument("--rounds", type=int, default=3, help="offline/served pairs, interleaved")
+    parser.add_argument("--port", type=int, default=18400, help="first of three loopback ports for the stack")
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--json-out", type=Path, default=None)
+
+
+def run_offline(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    from worker import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+async def run_served(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
+                     concurrency: int) -> tuple[float, int]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    gate = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(prompts), desc="Served", unit="req")
+
+    async def one(prompt: list[int]) -> int:
+        async with gate:
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            tokens = 0
+            async for chunk in stream:
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            bar.update(1)
+            return tokens
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    seconds = time.perf_counter() - start
+    bar.close()
+    await client.close()
+    return seconds, sum(counts)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("serve did not become ready")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from worker import LLM, SamplingParams
+    from worker.model_files import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    engine_args = dict(max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(model=str(model_dir), **engine_args)
+    prompts = build_chat_workload(llm.get_tokenizer(), num_requests=args.num_requests)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+
+    port, grpc_port, scheduler_port = args.port, args.port + 1, args.port + 2
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
+         "--port", str(port), "--grpc-port", str(grpc_port), "--scheduler-port", str(scheduler_port),
+         "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}/v1"
+    runs: list[dict[str, Any]] = []
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", serve)
+        asyncio.run(run_served(base_url, "bench", prompts[:2], 4, 2))  # warm-up
+        for round_index in range(args.rounds):
+            for mode in ("offline", "served"):
+                if mode == "offline":
+                    seconds, tokens = run_offline(llm, prompts, args.max_tokens)
+                else:
+                    seconds, tokens = asyncio.run(run_served(base_url, "bench", prompts, args.max_tokens,
+                                                             args.concurrency))
+                runs.append({"round": round_index, "mode": mode, "seconds": seconds, "output_tokens": tokens,
+                             "tokens_per_s": tokens / seconds})
+                print(f"round {round_index} {mode:8s} {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.1f} tok/s",
+                      flush=True)
+    finally:
+        serve.terminate()
+        serve.wait(timeout=120)
+
+    med = {mode: statistics.median(r["tokens_per_s"] for r in runs if r["mode"] == mode) for mode in ("offline", "served")}
+    report = {"model_dir": str(model_dir), "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              "max_tokens": args.max_tokens, "concurrency": args.concurrency, "rounds": args.rounds, "runs": runs,
+              "median_tokens_per_s": med, "served_over_offline": med["served"] / med["offline"]}
+    print(f"\nmedian tok/s: offline {med['offline']:.1f}, served {med['served']:.1f}; "
+          f"served/offline = {report['served_over_offline']:.3f}")
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
