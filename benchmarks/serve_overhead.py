@@ -102,7 +102,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = dict(max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory)
     llm = LLM(model=str(model_dir), **engine_args)
     prompts = build_chat_workload(llm.get_tokenizer(), num_requests=args.num_requests)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    # Warm-up on both sides: a CPU engine's first steps at new batch shapes are much slower.
+    warmup = prompts[: args.concurrency // 2]
+    llm.generate(warmup, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
 
     port, grpc_port, scheduler_port = args.port, args.port + 1, args.port + 2
     serve = subprocess.Popen(
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/health", serve)
-        asyncio.run(run_served(base_url, "bench", prompts[:2], 4, 2))  # warm-up
+        asyncio.run(run_served(base_url, "bench", warmup, 16, args.concurrency))
         for round_index in range(args.rounds):
             for mode in ("offline", "served"):
                 if mode == "offline":

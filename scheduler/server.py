@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore import RequestRecord, open_kvstore
 from kvstore.block_hash import extra_keys_for, hash_prompt_blocks
-from metroserve_rpc import cluster_pb2, cluster_pb2_grpc, generation_pb2, generation_pb2_grpc
+from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2, generation_pb2_grpc
 from metroserve_rpc.convert import limits_from_proto, params_from_proto, params_to_dict
 from scheduler.placement import choose_worker
 from scheduler.request_state import Placement, RequestState
@@ -35,8 +35,6 @@ from worker.request_limits import RequestLimits, check_request
 
 logger = logging.getLogger(__name__)
 
-GENERATION_SERVICE = "metroserve.v1.Generation"
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 @dataclass
@@ -363,6 +361,11 @@ async def run_scheduler(options: SchedulerOptions, stop: asyncio.Event | None = 
     """Serve until `stop` is set (or forever)."""
     kvstore = open_kvstore(options.kvstore)
     await kvstore.start()
+    stale = kvstore.list_requests()
+    if stale:  # their streams ended with the scheduler that admitted them; the clients retry
+        logger.warning("dropping %d request records left by a previous scheduler", len(stale))
+        for record in stale:
+            kvstore.delete_request(record.request_id)
     scheduler = Scheduler(options, kvstore)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     generation_pb2_grpc.add_GenerationServicer_to_server(scheduler, server)

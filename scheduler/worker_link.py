@@ -64,8 +64,12 @@ class WorkerLink:
                 del self.inflight_blocks[h]
         self.num_placed_seqs -= placement.num_seqs
         if abort:
-            self._abort.append(placement.placement_id)
-            self.wakeup.set()
+            unsent = [a for a in self._assign if a.placement_id != placement.placement_id]
+            if len(unsent) < len(self._assign):  # never reached the worker: nothing to abort there
+                self._assign = unsent
+            else:
+                self._abort.append(placement.placement_id)
+                self.wakeup.set()
 
     def take_message(self) -> cluster_pb2.SchedulerMessage | None:
         if not self._assign and not self._abort:

@@ -15,14 +15,16 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from metroserve_rpc import generation_pb2_grpc
+from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2_grpc
 from services.grpc_api import ApiKeyInterceptor, GatewayGeneration
 from services.rest import RestAPI
-from services.scheduler_client import GRPC_OPTIONS, SchedulerClient
+from services.scheduler_client import SchedulerClient
 from worker.model_files import resolve_model_dir, served_model_name
 from worker.model_loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+READINESS_POLL_S = 2.0
 
 
 @dataclass
@@ -44,6 +46,15 @@ def _max_model_len(model_dir) -> int:
     return int(cfg.get("max_position_embeddings", 0))
 
 
+async def _mirror_readiness(client: SchedulerClient, servicer) -> None:
+    """Readiness (service metroserve.v1.Generation) follows the scheduler's: a worker is serving."""
+    while True:
+        serving = await client.ready()
+        await servicer.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.SERVING if serving
+                           else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(READINESS_POLL_S)
+
+
 async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None) -> None:
     api_key = options.api_key or os.environ.get("METROSERVE_API_KEY") or None
     model_dir = resolve_model_dir(options.model)
@@ -59,6 +70,7 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     await site.start()
 
     server = None
+    readiness = None
     if options.grpc_port:
         server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
         generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name), server)
@@ -67,12 +79,15 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
         if server.add_insecure_port(f"{options.host}:{options.grpc_port}") == 0:
             raise SystemExit(f"gateway: cannot listen on {options.host}:{options.grpc_port}")
         await server.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness
+        readiness = asyncio.ensure_future(_mirror_readiness(client, health_servicer))
     logger.info("gateway serving %s: REST on http://%s:%d, gRPC on %s; scheduler %s%s", model_name, options.host,
                 options.port, options.grpc_port or "-", options.scheduler, "; API key required" if api_key else "")
     try:
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
+        if readiness is not None:
+            readiness.cancel()
         if server is not None:
             await server.stop(1.0)
         await runner.cleanup()

@@ -59,11 +59,11 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
         stream = stream_text(self.client, self.tokenizer, prompt, params, request_id, self.model_name,
                              request.priority, request.cache_salt or None)
         try:
-            first = True
+            first = True  # the first update is the admission acknowledgment, passed on as is
             async for update in stream:
-                if first:  # admitted: the acknowledgment the scheduler gave us
-                    yield generation_pb2.GenerateResponse(request_id=request_id)
-                    first = False
+                if not (first or update.deltas or update.usage):
+                    continue
+                first = False
                 msg = generation_pb2.GenerateResponse(request_id=request_id)
                 for d in update.deltas:
                     delta = msg.outputs.add(index=d.index, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs,

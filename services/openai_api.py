@@ -174,12 +174,17 @@ def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token])
 
 
-def logprobs_body(tokenizer, entries: list[generation_pb2.TokenLogprobs], chat: bool) -> dict:
+def _top(entry: generation_pb2.TokenLogprobs, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens (the entry holds the chosen token plus the top n)."""
+    return sorted(zip(entry.token_ids, entry.logprobs), key=lambda x: -x[1])[:n]
+
+
+def logprobs_body(tokenizer, entries: list[generation_pb2.TokenLogprobs], chat: bool, top_n: int) -> dict:
     if chat:
         content = []
         for e in entries:
-            tops = [{"token": _token_text(tokenizer, t), "logprob": lp,
-                     "bytes": list(_token_text(tokenizer, t).encode())} for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]
+            tops = [{"token": (text := _token_text(tokenizer, t)), "logprob": lp, "bytes": list(text.encode())}
+                    for t, lp in _top(e, top_n)]
             chosen = _token_text(tokenizer, e.token_ids[0])
             content.append({"token": chosen, "logprob": e.logprobs[0], "bytes": list(chosen.encode()),
                             "top_logprobs": tops})
@@ -187,7 +192,7 @@ def logprobs_body(tokenizer, entries: list[generation_pb2.TokenLogprobs], chat: 
     return {
         "tokens": [_token_text(tokenizer, e.token_ids[0]) for e in entries],
         "token_logprobs": [e.logprobs[0] for e in entries],
-        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in zip(e.token_ids, e.logprobs)} for e in entries],
+        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in _top(e, top_n)} for e in entries],
     }
 
 
@@ -200,6 +205,7 @@ class ResponseBuilder:
     chat: bool
     logprobs: bool
     tokenizer: object
+    top_logprobs: int = 0
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -211,7 +217,7 @@ class ResponseBuilder:
 
     def chunk(self, choice_index: int, delta: TextDelta, first: bool) -> dict:
         choice: dict = {"index": choice_index, "finish_reason": delta.finish_reason,
-                        "logprobs": logprobs_body(self.tokenizer, delta.logprobs, self.chat)
+                        "logprobs": logprobs_body(self.tokenizer, delta.logprobs, self.chat, self.top_logprobs)
                         if self.logprobs and delta.logprobs else None}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
@@ -233,7 +239,7 @@ class ResponseBuilder:
             stop_reason = next((d.stop_reason for d in reversed(deltas) if d.stop_reason is not None), None)
             entries = [e for d in deltas for e in d.logprobs]
             choice: dict = {"index": index, "finish_reason": finish, "stop_reason": stop_reason,
-                            "logprobs": logprobs_body(self.tokenizer, entries, self.chat) if self.logprobs else None}
+                            "logprobs": logprobs_body(self.tokenizer, entries, self.chat, self.top_logprobs) if self.logprobs else None}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

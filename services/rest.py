@@ -82,7 +82,7 @@ class RestAPI:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
@@ -106,7 +106,8 @@ class RestAPI:
     async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         self._check_model(req.model)
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(request_id, self.model_name, req.chat, req.logprobs, self.tokenizer)
+        builder = ResponseBuilder(request_id, self.model_name, req.chat, req.logprobs, self.tokenizer,
+                                  req.params.logprobs or 0)
         n = req.params.n
         streams = [stream_text(self.client, self.tokenizer, prompt, req.params, f"{request_id}-{i}",
                                self.model_name, req.priority, req.cache_salt) for i, prompt in enumerate(req.prompts)]

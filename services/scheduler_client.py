@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from metroserve_rpc import generation_pb2, generation_pb2_grpc
+from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2, generation_pb2_grpc
 
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 @dataclass
@@ -41,7 +40,7 @@ class SchedulerClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Yields the scheduler's messages after its admission acknowledgment.
+        """Yields the scheduler's messages, the first being its admission acknowledgment (no tokens).
 
         Raises UpstreamError before yielding anything if the request is refused, so callers can
         still answer with an error status. Closing the iterator early cancels the call, which
@@ -55,6 +54,7 @@ class SchedulerClient:
                 raise _upstream_error(e) from None
             if ack is grpc.aio.EOF:
                 raise UpstreamError(grpc.StatusCode.INTERNAL, "the scheduler closed the stream at once")
+            yield ack
             while True:
                 try:
                     msg = await call.read()
@@ -78,7 +78,7 @@ class SchedulerClient:
     async def ready(self) -> bool:
         """At least one worker is serving behind the scheduler."""
         try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service="metroserve.v1.Generation"),
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE),
                                              timeout=3)
         except grpc.aio.AioRpcError:
             return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,14 @@ def _die_with_parent() -> None:
     """Children get SIGTERM if serve itself dies, so no orphan keeps a port or a KV pool."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _visible_gpus() -> list[str]:
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 @dataclass
@@ -54,10 +63,17 @@ class Stack:
         self.gateway: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
         self._stopping = False
+        self.gpus = _visible_gpus()
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, args: list[str], env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "services.cli", *args], preexec_fn=_die_with_parent,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
+
+    def _worker_env(self, index: int) -> dict | None:
+        """On a multi-GPU host, worker i gets GPU i mod count to itself, so pools never share a device."""
+        if self.options.engine.device == "cpu" or not self.gpus:
+            return None
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpus[index % len(self.gpus)]}
 
     def _worker_argv(self, worker_id: str) -> list[str]:
         o = self.options
@@ -70,7 +86,7 @@ class Stack:
                                       "--kvstore", o.kvstore, "--max-queue-len", str(o.max_queue_len)])
         for i in range(o.workers):
             worker_id = f"worker-{i}"
-            self.workers[worker_id] = self._spawn(self._worker_argv(worker_id))
+            self.workers[worker_id] = self._spawn(self._worker_argv(worker_id), self._worker_env(i))
         gateway = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
                    "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name]
         if o.engine.model:
@@ -106,7 +122,8 @@ class Stack:
                 if proc.poll() is not None and not self._stopping:
                     logger.warning("%s exited with %s; restarting it", worker_id, proc.returncode)
                     time.sleep(WORKER_RESTART_DELAY_S)
-                    self.workers[worker_id] = self._spawn(self._worker_argv(worker_id))
+                    index = int(worker_id.rsplit("-", 1)[1])
+                    self.workers[worker_id] = self._spawn(self._worker_argv(worker_id), self._worker_env(index))
             time.sleep(0.5)
         return 0
 

@@ -92,7 +92,8 @@ class SequenceText:
 async def stream_text(client: SchedulerClient, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str, model: str = "", priority: int = 0,
                       cache_salt: str | None = None) -> AsyncIterator[StreamUpdate]:
-    """One request through the scheduler; raises UpstreamError before the first update if refused."""
+    """One request through the scheduler. The first update is empty: the request was admitted;
+    a refusal raises UpstreamError instead."""
     request = generation_pb2.GenerateRequest(
         request_id=request_id, model=model, token_ids=generation_pb2.TokenIds(ids=prompt_token_ids),
         params=params_to_proto(params), priority=priority, cache_salt=cache_salt or "")
@@ -118,8 +119,7 @@ async def stream_text(client: SchedulerClient, tokenizer, prompt_token_ids: list
                         update.deltas.append(TextDelta(index, "", [], [], "abort"))
                 usage.completion_tokens = sum(s.num_tokens for s in seqs)
                 update.usage = usage
-            if update.deltas or update.usage:
-                yield update
+            yield update  # the first, empty one: admitted
             if update.usage is not None:
                 return
     finally:

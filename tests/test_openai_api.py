@@ -128,6 +128,23 @@ def test_stop_string_and_n(stack, reference, model_id):
     assert {c.text for c in resp.choices} == {reference["completions"][0].text}
 
 
+def test_logprobs_shapes(stack, model_id):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
+    chat = client.chat.completions.create(model=model_id, messages=CHATS[0], max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens
+    for e in entries:
+        assert len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob == e.top_logprobs[0].logprob  # greedy: the chosen token is the most likely
+    comp = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+    assert all(len(t) == 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
 def test_repeated_prompt_reports_cached_tokens(stack, model_id):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     long_prompt = "You are a helpful assistant who answers questions about geography. " * 12

@@ -148,6 +148,8 @@ class LLMEngine:
             seq = request.seqs[0]
             seq.token_ids.extend(resume_token_ids)
             seq.num_emitted_tokens = len(resume_token_ids)
+            if seq.logprobs is not None:  # placeholders, never emitted: keep positions aligned
+                seq.logprobs.extend({} for _ in resume_token_ids)
         self.requests[request_id] = request
         self.batcher.add(request.seqs[0])
         return request

@@ -38,20 +38,20 @@ def make_request_output(request: Request, delta: bool = False) -> RequestOutput:
     completions = []
     for seq in request.seqs:
         finished = seq.finished
-        tokens = seq.output_token_ids
+        tokens = seq.token_ids
         text = seq.detokenizer.text[: seq.detokenizer.emittable(finished)] if seq.detokenizer else ""
         logprobs = seq.logprobs
         if delta:
-            new_tokens = tokens[seq.num_emitted_tokens :]
+            new_tokens = tokens[seq.num_prompt_tokens + seq.num_emitted_tokens :]
             if logprobs is not None:
                 logprobs = logprobs[seq.num_emitted_tokens :]
-            seq.num_emitted_tokens = len(tokens)
+            seq.num_emitted_tokens = seq.num_output_tokens
             tokens = new_tokens
             new_text = text[seq.num_emitted_chars :]
             seq.num_emitted_chars = len(text)
             text = new_text
         else:
-            tokens = list(tokens)
+            tokens = tokens[seq.num_prompt_tokens :]
             logprobs = list(logprobs) if logprobs is not None else None
         completions.append(CompletionOutput(
             index=seq.index,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from metroserve_rpc import cluster_pb2, cluster_pb2_grpc, generation_pb2
+from metroserve_rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
 from metroserve_rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
 from worker.async_engine import AsyncEngine, EngineDeadError
 from worker.config import EngineConfig
@@ -151,6 +151,8 @@ class WorkerService:
                 params = params_from_proto(a.params)
                 self.engine.submit(list(a.prompt_token_ids), params, a.placement_id, priority=a.priority,
                                    cache_salt=a.cache_salt or None, resume_token_ids=list(a.resume_token_ids))
+            except EngineDeadError:
+                return  # the worker is stopping; the scheduler moves this placement when the stream ends
             except ValueError as e:
                 self.rejected(a.placement_id, e)
                 continue
@@ -159,7 +161,7 @@ class WorkerService:
 
     async def _session(self) -> None:
         """One connection to the scheduler, until the stream ends or the worker stops."""
-        async with grpc.aio.insecure_channel(self.options.scheduler) as channel:
+        async with grpc.aio.insecure_channel(self.options.scheduler, options=GRPC_OPTIONS) as channel:
             call = cluster_pb2_grpc.WorkerHubStub(channel).Connect(self._outgoing())
             reader = asyncio.ensure_future(self._read(call))
             stopper = asyncio.ensure_future(self._stop.wait())
@@ -196,19 +198,21 @@ class WorkerService:
         self._draining = True
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self._outbox.set()
-        if self.active:
-            self._idle.clear()
-            try:
-                await asyncio.wait_for(self._idle.wait(), self.options.drain_timeout_s)
-            except asyncio.TimeoutError:
-                self._handed_back = sorted(self.active)
-                for pid in self._handed_back:
-                    self.engine.abort(pid)
-                    self._discard(pid)
-                self._sent.clear()
-                self._outbox.set()
-                await asyncio.wait_for(self._sent.wait(), 5.0)  # the hand-back must reach the scheduler
-        self._stop.set()
+        try:
+            if self.active:
+                self._idle.clear()
+                try:
+                    await asyncio.wait_for(self._idle.wait(), self.options.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    self._handed_back = sorted(self.active)
+                    for pid in self._handed_back:
+                        self.engine.abort(pid)
+                        self._discard(pid)
+                    self._sent.clear()
+                    self._outbox.set()
+                    await asyncio.wait_for(self._sent.wait(), 5.0)  # the hand-back must reach the scheduler
+        finally:
+            self._stop.set()
 
     async def run(self) -> None:
         server = None

@@ -1,0 +1,11 @@
+"""metroserve's gRPC contracts: generated stubs (*_pb2*.py, from the .proto files here) and the
+constants every side of a channel agrees on."""
+
+# The health status of this service name is readiness (a worker is serving); "" is liveness.
+GENERATION_SERVICE = "metroserve.v1.Generation"
+# A worker's first report lists every cached block (16 bytes each): allow large messages.
+# Keepalive pings notice a peer whose host vanished without closing the connection.
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
