@@ -3,8 +3,9 @@
 The same requests (the chat workload's prompts as token ids, greedy, ignore_eos so both sides
 produce exactly --max-tokens per request) run through the offline LLM.generate and through a
 `metroserve serve` stack driven by the openai client at --concurrency streams. The engine gets
-the same --max-num-seqs on both sides. Rounds alternate offline and served runs, because this
-machine is noisy; the report gives each run, the medians and their ratio.
+the same --max-num-seqs and KV pool on both sides, prefix caching off by default (see
+--enable-prefix-caching). Rounds alternate offline and served runs, and which goes first, because
+this machine is noisy; the report gives each run, the medians and their ratio.
 
     metroserve bench overhead --num-requests 64 --max-tokens 64 --concurrency 32 --rounds 3
 """
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="offline/served pairs, interleaved")
     parser.add_argument("--port", type=int, default=18400, help="first of three loopback ports for the stack")
     parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                        help="off by default: with it on, each run's hits depend on what earlier runs left in "
+                             "the pool, which differs between the two sides and is not what is measured here")
     parser.add_argument("--json-out", type=Path, default=None)
 
 
@@ -99,7 +103,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from worker.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    engine_args = dict(max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory)
+    engine_args = dict(max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory,
+                       enable_prefix_caching=args.enable_prefix_caching)
     llm = LLM(model=str(model_dir), **engine_args)
     prompts = build_chat_workload(llm.get_tokenizer(), num_requests=args.num_requests)
     # Warm-up on both sides: a CPU engine's first steps at new batch shapes are much slower.
@@ -110,7 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     serve = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
          "--port", str(port), "--grpc-port", str(grpc_port), "--scheduler-port", str(scheduler_port),
-         "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory],
+         "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
+         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}/v1"
     runs: list[dict[str, Any]] = []
@@ -118,7 +124,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _wait_healthy(f"http://127.0.0.1:{port}/health", serve)
         asyncio.run(run_served(base_url, "bench", warmup, 16, args.concurrency))
         for round_index in range(args.rounds):
-            for mode in ("offline", "served"):
+            # Alternate which side goes first, so a drift in machine speed favours neither.
+            for mode in ("offline", "served") if round_index % 2 == 0 else ("served", "offline"):
                 if mode == "offline":
                     seconds, tokens = run_offline(llm, prompts, args.max_tokens)
                 else:

@@ -43,7 +43,9 @@ class SchedulerOptions:
     port: int = 50051
     kvstore: str = "memory"
     max_queue_len: int = 1024  # requests waiting for a worker slot; beyond it: RESOURCE_EXHAUSTED
-    heartbeat_timeout_s: float = 5.0  # a worker silent this long is considered dead
+    # A worker silent this long is dropped. Its messages go out between engine steps, so this must
+    # exceed the longest step; a crashed worker is noticed at once anyway (its stream breaks).
+    heartbeat_timeout_s: float = 30.0
     retry_after_s: int = 1
 
 

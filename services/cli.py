@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sched.add_argument("--host", default="127.0.0.1")
     sched.add_argument("--port", type=int, default=50051, help="gRPC port for gateways and workers")
-    sched.add_argument("--heartbeat-timeout", type=float, default=5.0,
+    sched.add_argument("--heartbeat-timeout", type=float, default=30.0,
                        help="seconds of silence after which a worker is dropped and its work moved")
     _add_service_args(sched, scheduler=True)
     sched.set_defaults(func=_scheduler)

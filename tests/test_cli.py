@@ -1,4 +1,4 @@
-"""The `metroserve` command: generate and the throughput benchmark, on the tiny model."""
+"""The `metroserve` command: generate and the benchmarks, on the tiny model."""
 
 import json
 
@@ -28,3 +28,16 @@ def test_bench_throughput_runs_all_peers(tiny_model_dir, tmp_path, capsys):
     for peer in report["peers"].values():
         assert peer["requests"] == 4 and peer["output_tokens"] > 0
     assert "engine/peer" in capsys.readouterr().out
+
+
+def test_bench_overhead_runs_both_sides(tiny_model_dir, tmp_path):
+    from tests.stack import free_port
+
+    out_file = tmp_path / "ov.json"
+    main(["bench", "overhead", "--model", str(tiny_model_dir), "--num-requests", "4", "--max-tokens", "8",
+          "--concurrency", "2", "--rounds", "2", "--kv-cache-memory", "64MiB", "--port", str(free_port()),
+          "--json-out", str(out_file)])
+    report = json.loads(out_file.read_text())
+    assert [r["mode"] for r in report["runs"]] == ["offline", "served", "served", "offline"]
+    assert all(r["output_tokens"] == 4 * 8 for r in report["runs"])
+    assert report["served_over_offline"] > 0

@@ -47,10 +47,14 @@ class StepSink(Protocol):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, detokenize: bool = True, sink: StepSink | None = None,
-                 record_block_events: bool = False, **kwargs):
+                 record_block_events: bool = False, step_inline: bool = False, **kwargs):
         self.engine = LLMEngine(config, detokenize=detokenize, record_block_events=record_block_events, **kwargs)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._sink = sink
+        # Inline: steps run on the event loop's thread, between its other work. For a process whose
+        # loop only feeds the engine (the worker), this avoids GIL hand-offs between the two threads
+        # in every step; an application that must stay responsive during a step keeps the thread.
+        self._step_inline = step_inline
         # request id -> (its stream's queue, delta); queue None: a submit()ted request, output to the sink
         self._queues: dict[str, tuple[asyncio.Queue | None, bool]] = {}
         self._pending: list[tuple[str, object]] = []  # ("add", kwargs) / ("abort", request_id)
@@ -176,8 +180,13 @@ class AsyncEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                touched = await loop.run_in_executor(self._executor, self.engine.step)
-                self._publish(touched)
+                if self._step_inline:
+                    touched = self.engine.step()
+                    self._publish(touched)
+                    await asyncio.sleep(0)  # let the loop send outputs and take new requests
+                else:
+                    touched = await loop.run_in_executor(self._executor, self.engine.step)
+                    self._publish(touched)
         except asyncio.CancelledError:
             self._fail_all(EngineDeadError("engine shut down"), notify_sink=False)
             raise
