@@ -4,7 +4,6 @@ checkpoint, and Hugging Face reference generation to compare against."""
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import sys
 from pathlib import Path
