@@ -76,6 +76,21 @@ def test_prefix_aware_placement(stack):
     stack.wait_idle()
 
 
+def test_tokens_stream_one_step_at_a_time(stack):
+    """Each engine step's token leaves the worker before the next step: no bursts in the stream."""
+    import grpc
+
+    from metroserve_rpc import generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        request = generation_pb2.GenerateRequest(text="Once upon a time", params=generation_pb2.SamplingParams(
+            temperature=0.0, max_tokens=64, ignore_eos=True))
+        messages = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    per_message = [len(d.token_ids) for m in messages for d in m.outputs]
+    assert sum(per_message) == 64
+    assert max(per_message) == 1, f"tokens arrived in bursts: {per_message}"
+
+
 def test_disconnects_free_every_block(stack):
     """200 streaming requests; 40 clients hang up after two chunks. Nothing stays allocated."""
     async def one(client, i: int):

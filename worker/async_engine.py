@@ -18,6 +18,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable
 from typing import Protocol
 
 from worker.config import EngineConfig
@@ -36,8 +37,9 @@ class EngineDeadError(RuntimeError):
 class StepSink(Protocol):
     """Receives the outputs of submit()ted requests, on the event loop."""
 
-    def step_done(self, outputs: list[RequestOutput]) -> None:
-        """After every step (outputs may be empty: a step can only advance prefills)."""
+    def step_done(self, outputs: list[RequestOutput]) -> Awaitable[None] | None:
+        """After every step (outputs may be empty: a step can only advance prefills). An awaitable
+        returned here is awaited before the next step: the sink's chance to send the outputs first."""
 
     def rejected(self, request_id: str, error: Exception) -> None: ...
 
@@ -154,7 +156,7 @@ class AsyncEngine:
                 continue
             request.prompt = text
 
-    def _publish(self, requests: list[Request]) -> None:
+    def _publish(self, requests: list[Request]) -> Awaitable[None] | None:
         batched: list[RequestOutput] = []
         for request in requests:
             entry = self._queues.get(request.request_id)
@@ -169,7 +171,8 @@ class AsyncEngine:
             if request.finished:
                 del self._queues[request.request_id]
         if self._sink is not None:
-            self._sink.step_done(batched)
+            return self._sink.step_done(batched)
+        return None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -182,11 +185,13 @@ class AsyncEngine:
                     continue
                 if self._step_inline:
                     touched = self.engine.step()
-                    self._publish(touched)
-                    await asyncio.sleep(0)  # let the loop send outputs and take new requests
                 else:
                     touched = await loop.run_in_executor(self._executor, self.engine.step)
-                    self._publish(touched)
+                flushed = self._publish(touched)
+                if flushed is not None:
+                    await flushed
+                elif self._step_inline:
+                    await asyncio.sleep(0)  # let the loop take new requests between steps
         except asyncio.CancelledError:
             self._fail_all(EngineDeadError("engine shut down"), notify_sink=False)
             raise

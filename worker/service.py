@@ -36,6 +36,7 @@ from worker.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
+SEND_WAIT_S = 1.0
 
 
 @dataclass
@@ -69,6 +70,7 @@ class WorkerService:
         self.health = health.aio.HealthServicer()
         self._idle = asyncio.Event()  # set while no placement is active: what a drain waits for
         self._sent = asyncio.Event()  # set after each message goes out
+        self._connected = False  # a stream to the scheduler is open
 
     # -- StepSink: called on the event loop after every engine step ------------------------
 
@@ -93,7 +95,17 @@ class WorkerService:
         stored, removed = self.engine.engine.block_manager.take_events()
         self._stored.extend(stored)
         self._removed.extend(removed)
+        self._sent.clear()
         self._outbox.set()
+        return self._until_sent() if self._connected else None
+
+    async def _until_sent(self) -> None:
+        """Steps run on this loop: without this wait a step's tokens would leave only during later
+        steps, in bursts. Bounded, so a stalled stream cannot stop the engine."""
+        try:
+            await asyncio.wait_for(self._sent.wait(), SEND_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
 
     def _discard(self, placement_id: str) -> None:
         self.active.discard(placement_id)
@@ -124,6 +136,7 @@ class WorkerService:
             limits=limits_to_proto(self.engine.engine.limits), pid=os.getpid(), host=socket.gethostname()))
 
     async def _outgoing(self):
+        self._connected = True
         yield self._register_message()
         # Everything the pool holds now: after a reconnect the scheduler's index starts from this.
         # Whatever was queued for the previous stream concerns placements that died with it.
@@ -188,6 +201,7 @@ class WorkerService:
                 await self._session()
             except grpc.aio.AioRpcError as e:
                 logger.warning("scheduler stream at %s: %s", self.options.scheduler, e.details() or e.code())
+            self._connected = False
             # The scheduler treats a broken stream as this worker's death and moves its placements.
             for pid in list(self.active):
                 self.engine.abort(pid)
