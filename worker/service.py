@@ -21,6 +21,8 @@ import os
 import random
 import signal
 import socket
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import grpc
@@ -70,11 +72,13 @@ class WorkerService:
         self.health = health.aio.HealthServicer()
         self._idle = asyncio.Event()  # set while no placement is active: what a drain waits for
         self._sent = asyncio.Event()  # set after each message goes out
+        self._queued_version = 0  # step outputs queued so far ...
+        self._sent_version = 0  # ... and how many of them have been handed to gRPC
         self._connected = False  # a stream to the scheduler is open
 
     # -- StepSink: called on the event loop after every engine step ------------------------
 
-    def step_done(self, outputs: list[RequestOutput]) -> None:
+    def step_done(self, outputs: list[RequestOutput]) -> Awaitable[None] | None:
         for out in outputs:
             seqs = []
             for c in out.outputs:
@@ -95,17 +99,20 @@ class WorkerService:
         stored, removed = self.engine.engine.block_manager.take_events()
         self._stored.extend(stored)
         self._removed.extend(removed)
-        self._sent.clear()
+        self._queued_version += 1
         self._outbox.set()
-        return self._until_sent() if self._connected else None
+        return self._until_sent(self._queued_version) if self._connected else None
 
-    async def _until_sent(self) -> None:
+    async def _until_sent(self, version: int) -> None:
         """Steps run on this loop: without this wait a step's tokens would leave only during later
         steps, in bursts. Bounded, so a stalled stream cannot stop the engine."""
-        try:
-            await asyncio.wait_for(self._sent.wait(), SEND_WAIT_S)
-        except asyncio.TimeoutError:
-            pass
+        deadline = time.monotonic() + SEND_WAIT_S
+        while self._sent_version < version and (left := deadline - time.monotonic()) > 0:
+            self._sent.clear()
+            try:
+                await asyncio.wait_for(self._sent.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     def _discard(self, placement_id: str) -> None:
         self.active.discard(placement_id)
@@ -149,11 +156,13 @@ class WorkerService:
             except asyncio.TimeoutError:
                 pass  # idle: the load report doubles as the heartbeat
             self._outbox.clear()
+            version = self._queued_version
             msg = cluster_pb2.WorkerMessage(outputs=self._outputs, rejected=self._rejected, load=self._load(),
                                             blocks_stored=self._stored, blocks_removed=self._removed,
                                             draining=self._draining, handed_back=self._handed_back)
             self._outputs, self._rejected, self._stored, self._removed, self._handed_back = [], [], [], [], []
             yield msg
+            self._sent_version = version
             self._sent.set()
 
     def _handle(self, msg: cluster_pb2.SchedulerMessage) -> None:
@@ -225,9 +234,9 @@ class WorkerService:
                     for pid in self._handed_back:
                         self.engine.abort(pid)
                         self._discard(pid)
-                    self._sent.clear()
+                    self._queued_version += 1
                     self._outbox.set()
-                    await asyncio.wait_for(self._sent.wait(), 5.0)  # the hand-back must reach the scheduler
+                    await self._until_sent(self._queued_version)  # the hand-back must reach the scheduler
         finally:
             self._stop.set()
 
