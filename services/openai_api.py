@@ -52,8 +52,10 @@ def _get(body: dict, name: str, types: type | tuple, default=None):
     value = body.get(name, default)
     if value is None:
         return default
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
-        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+    allowed = types if isinstance(types, tuple) else (types,)
+    # bool is an int subclass in Python, but JSON true is not a number.
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        names = " or ".join(t.__name__ for t in allowed)
         raise BadRequest(f"'{name}' must be of type {names}, got {type(value).__name__}", param=name)
     return value
 

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from worker.config import EngineConfig
 
@@ -53,7 +53,6 @@ class ServeOptions:
     kvstore: str = "memory"
     api_key: str | None = None
     max_queue_len: int = 1024
-    extra: dict = field(default_factory=dict)
 
 
 class Stack:
