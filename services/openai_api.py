@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as OpenAI's API does. vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, priority, cache_salt) are accepted too. Every problem raises BadRequest,
+skip_special_tokens, priority, cache_salt) are accepted too, and ``speculative: false`` switches
+speculative decoding off for one request. Every problem raises BadRequest,
 which the REST layer turns into a 400 with an OpenAI-style error body.
 """
 
@@ -18,7 +19,7 @@ from worker.sampling_params import SamplingParams, field_in_error
 # Body field -> SamplingParams field, where they differ only in presence, not meaning.
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "min_tokens", "ignore_eos", "stop", "stop_token_ids",
-                "include_stop_str_in_output", "skip_special_tokens")
+                "include_stop_str_in_output", "skip_special_tokens", "speculative")
 
 
 class BadRequest(ValueError):

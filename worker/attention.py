@@ -60,13 +60,37 @@ class TorchMetadata:
     decode_groups: list[_DecodeGroup]
 
 
+# Queries this short (decodes; speculative verification of up to 16 drafts) attend token by token:
+# query token j of a sequence is a decode row whose context ends at its own position. Longer
+# chunks (prefills) attend as one causal block.
+MAX_ROW_QUERY = 17
+
+
+@dataclass
+class QueryRows:
+    token_index: list[int]  # rows of the flat batch
+    seq_lens: list[int]  # context each row sees (its own position + 1)
+    seq_index: list[int]  # the row's sequence in the layout
+
+
+def query_rows(layout: BatchLayout) -> QueryRows:
+    rows = QueryRows([], [], [])
+    for i, q_len in enumerate(layout.query_lens):
+        if q_len <= MAX_ROW_QUERY:
+            start, first_len = layout.query_start[i], layout.seq_lens[i] - q_len + 1
+            rows.token_index.extend(range(start, start + q_len))
+            rows.seq_lens.extend(range(first_len, first_len + q_len))
+            rows.seq_index.extend([i] * q_len)
+    return rows
+
+
 class TorchAttention:
     """Paged attention from torch ops, for any device.
 
-    Single-token queries (decodes) are batched: sorted by context length and cut into groups so a
-    group pads little, each group's blocks gathered with one index_select and attended with one
-    SDPA call. Multi-token chunks (prefills) attend one sequence at a time; a chunk with no
-    earlier context needs no gather at all.
+    Single-token query rows (decodes, verification tokens) are batched: sorted by context length
+    and cut into groups so a group pads little, each group's blocks gathered with one index_select
+    and attended with one SDPA call. Multi-token chunks (prefills) attend one sequence at a time;
+    a chunk with no earlier context needs no gather at all.
     """
 
     def __init__(self, block_size: int, decode_group_size: int = 32):
@@ -74,15 +98,15 @@ class TorchAttention:
         self.decode_group_size = decode_group_size
 
     def prepare(self, layout: BatchLayout) -> TorchMetadata:
-        decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
-        return TorchMetadata(layout.slot_mapping, self._prepare_prefills(layout), self._prepare_decodes(layout, decodes))
+        return TorchMetadata(layout.slot_mapping, self._prepare_prefills(layout),
+                             self._prepare_decodes(layout, query_rows(layout)))
 
     def _prepare_prefills(self, layout: BatchLayout) -> list[_Prefill]:
         device = layout.slot_mapping.device
         bs = self.block_size
         prefills: list[_Prefill] = []
         for i, q_len in enumerate(layout.query_lens):
-            if q_len == 1:
+            if q_len <= MAX_ROW_QUERY:
                 continue
             start, ctx = layout.query_start[i], layout.seq_lens[i]
             if ctx == q_len:
@@ -95,21 +119,21 @@ class TorchAttention:
             prefills.append(_Prefill(start, start + q_len, blocks, ctx, mask))
         return prefills
 
-    def _prepare_decodes(self, layout: BatchLayout, decodes: list[int]) -> list[_DecodeGroup]:
+    def _prepare_decodes(self, layout: BatchLayout, rows: QueryRows) -> list[_DecodeGroup]:
         device = layout.slot_mapping.device
         bs = self.block_size
         groups: list[_DecodeGroup] = []
-        decodes = sorted(decodes, key=lambda i: layout.seq_lens[i])
-        for g0 in range(0, len(decodes), self.decode_group_size):
-            members = decodes[g0 : g0 + self.decode_group_size]
-            num_blocks = -(-layout.seq_lens[members[-1]] // bs)
-            table = [layout.block_tables[i][:num_blocks] + [0] * (num_blocks - min(num_blocks, len(layout.block_tables[i])))
-                     for i in members]
-            lens = torch.tensor([layout.seq_lens[i] for i in members], device=device)
+        order = sorted(range(len(rows.token_index)), key=lambda r: rows.seq_lens[r])
+        for g0 in range(0, len(order), self.decode_group_size):
+            members = order[g0 : g0 + self.decode_group_size]
+            num_blocks = -(-rows.seq_lens[members[-1]] // bs)
+            tables = [layout.block_tables[rows.seq_index[r]] for r in members]
+            table = [t[:num_blocks] + [0] * (num_blocks - min(num_blocks, len(t))) for t in tables]
+            lens = torch.tensor([rows.seq_lens[r] for r in members], device=device)
             padded = num_blocks * bs
             mask = (torch.arange(padded, device=device)[None, :] < lens[:, None])[:, None, None, :]
             groups.append(_DecodeGroup(
-                token_index=torch.tensor([layout.query_start[i] for i in members], device=device),
+                token_index=torch.tensor([rows.token_index[r] for r in members], device=device),
                 block_ids=torch.tensor(table, device=device).flatten(),
                 padded_len=padded,
                 mask=mask,

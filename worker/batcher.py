@@ -1,6 +1,7 @@
 """Batcher: builds each engine step's batch (iteration-level scheduling).
 
-Every step: running sequences first (a decode needs one token, a chunked prefill continues),
+Every step: running sequences first (a decode needs one token, or 1 + k with k speculative
+drafts to verify; a chunked prefill continues),
 then waiting requests are admitted as chunked prefills while the token budget
 (max_num_batched_tokens), the sequence cap (max_num_seqs) and free blocks allow. When blocks run
 out, the newest running sequence (lowest priority first under the priority policy) is preempted
@@ -75,7 +76,10 @@ class Batcher:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # A speculating decode also computes its lookahead (draft) positions.
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + seq.num_lookahead_tokens, budget)
+            if seq.num_lookahead_tokens:
+                seq.truncate_spec(num_new - 1)
             scheduled = True
             while not bm.allocate(seq, num_new):
                 victim = self._pick_victim()
@@ -143,6 +147,7 @@ class Batcher:
             refund = batch.num_new_tokens.pop(index)
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.clear_spec()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.request.metrics.num_preemptions += 1

@@ -166,6 +166,17 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past seq's computed tokens: rejected drafts' slots roll back."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.free_queue[block] = None
+                if self.block_hash[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     # -- forks (n > 1) -----------------------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import dataclass, fields
+
+from worker.spec_decode.config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -36,6 +39,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
     attention_backend: str = "auto"  # auto: compiled CPU kernel on CPU (float32), torch otherwise
     seed: int = 0
+    # JSON string or dict, see worker.spec_decode.config.SpeculativeConfig; None: no speculation.
+    speculative_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -51,6 +56,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_size(self.kv_cache_memory)
+        SpeculativeConfig.parse(self.speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +84,11 @@ class EngineConfig:
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch"],
                        help="paged attention implementation (auto: compiled CPU kernel on CPU, else torch)")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
+        g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH}\'; '
+                            "more fields: prompt_lookup_min, disable_by_batch_size, min_acceptance_rate, pause_steps "
+                            "(see README)")
 
     def to_cli_args(self) -> list[str]:
         """The flags that reproduce this config (for launching worker processes)."""
@@ -87,6 +98,8 @@ class EngineConfig:
             flag = "--" + f.name.replace("_", "-")
             if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, dict):
+                argv += [flag, json.dumps(value)]
             elif value is not None:
                 argv += [flag, str(value)]
         return argv

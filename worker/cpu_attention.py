@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import BatchLayout, TorchAttention, _Prefill
+from worker.attention import BatchLayout, TorchAttention, _Prefill, query_rows
 from worker.model_files import cache_root
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def _build_directory() -> Path:
 class CpuMetadata:
     slot_mapping: torch.Tensor
     prefills: list[_Prefill]
-    decode_index: torch.Tensor  # [n] rows of the flat batch that are single-token queries
+    decode_index: torch.Tensor  # [n] rows of the flat batch that attend as single-token queries
     block_tables: torch.Tensor  # [n, max_blocks] int64
     seq_lens: torch.Tensor  # [n] int64
 
@@ -80,13 +80,13 @@ class CpuAttention(TorchAttention):
         return head_dim in (16, 32, 64, 128, 256) and gqa_group <= 16
 
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
-        decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
+        rows = query_rows(layout)
         return CpuMetadata(
             slot_mapping=layout.slot_mapping,
             prefills=self._prepare_prefills(layout),
-            decode_index=torch.tensor([layout.query_start[i] for i in decodes], dtype=torch.int64),
-            block_tables=layout.block_table_tensor[decodes],
-            seq_lens=torch.tensor([layout.seq_lens[i] for i in decodes], dtype=torch.int64),
+            decode_index=torch.tensor(rows.token_index, dtype=torch.int64),
+            block_tables=layout.block_table_tensor[rows.seq_index],
+            seq_lens=torch.tensor(rows.seq_lens, dtype=torch.int64),
         )
 
     @staticmethod

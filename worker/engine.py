@@ -28,6 +28,9 @@ from worker.request_limits import RequestLimits, check_request
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.sequence import Request, Sequence, SequenceStatus
+from worker.spec_decode.config import SpeculativeConfig
+from worker.spec_decode.draft_proposer import DraftModelProposer
+from worker.spec_decode.speculator import SpecDecodeStats, Speculator
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +47,7 @@ class EngineStats:
     num_preemptions: int
     peak_used_blocks: int
     kv_efficiency_at_peak: float  # tokens stored / (allocated blocks x block size) at peak use
+    spec_decode: SpecDecodeStats | None = None  # None without --speculative-config
 
     @property
     def kv_cache_usage(self) -> float:
@@ -69,6 +73,11 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         self.eos_token_ids = self._eos_token_ids()
         self.detokenize = detokenize
+        spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.drafter = None
+        if spec_config is not None and spec_config.method == "draft_model":
+            self.drafter = DraftModelProposer(spec_config.model, self.tokenizer.get_vocab(), self.dtype, self.device,
+                                              config.attention_backend)
 
         bs = config.block_size
         num_blocks = config.num_gpu_blocks_override or self._num_blocks_for_budget()
@@ -81,8 +90,11 @@ class LLMEngine:
                                config.scheduling_policy)
         attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.head_dim,
                                            mcfg.num_heads // mcfg.num_kv_heads)
-        self.runner = ModelRunner(self.model, self.kv_cache, attention, Sampler(self.eos_token_ids, self.device, config.seed),
-                                  self.device)
+        sampler = Sampler(self.eos_token_ids, self.device, config.seed)
+        if self.drafter is not None:
+            self.drafter.init_cache(num_blocks, bs, sampler)
+        self.runner = ModelRunner(self.model, self.kv_cache, attention, sampler, self.device, self.drafter)
+        self.speculator = Speculator(spec_config, self.max_model_len) if spec_config is not None else None
         self.requests: dict[str, Request] = {}
         self._peak_used_blocks = 0
         self._efficiency_at_peak = 1.0
@@ -103,6 +115,8 @@ class LLMEngine:
         mcfg = self.model_config
         per_block = KVCache.bytes_per_block(mcfg.num_layers, self.config.block_size, mcfg.num_kv_heads,
                                             mcfg.head_dim, self.dtype)
+        if self.drafter is not None:  # the draft's pool has the same blocks
+            per_block += self.drafter.bytes_per_block(self.config.block_size)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             # Weights are loaded; keep a margin for activations of one max-size step.
@@ -179,6 +193,8 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """One model step. Returns the requests that got new tokens or finished."""
+        if self.speculator is not None:
+            self.speculator.plan(self.batcher.running)
         batch = self.batcher.schedule_step()
         if not batch:
             return []
@@ -186,7 +202,7 @@ class LLMEngine:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.num_computed_tokens + n < seq.num_tokens:
+            if seq.num_computed_tokens + n < seq.num_tokens + seq.num_lookahead_tokens:
                 continue  # a prefill chunk with more to come: nothing to sample yet
             sample_rows.append(i)
             sample_seqs.append(seq)
@@ -197,22 +213,39 @@ class LLMEngine:
                     sample_seqs.append(child)
         out = self.runner.execute(batch, sample_rows, sample_seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            if not seq.num_lookahead_tokens:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
 
         now = time.time()
         touched: dict[str, Request] = {}
-        for seq, token, logprobs in zip(sample_seqs, out.token_ids, out.logprobs):
+        for seq, tokens, logprobs in zip(sample_seqs, out.token_ids, out.logprobs):
             request = seq.request
             touched[request.request_id] = request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            self._append_token(seq, token, logprobs)
+            if seq.num_lookahead_tokens:
+                self._append_verified(seq, tokens)
+            else:
+                self._append_token(seq, tokens[0], logprobs)
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
         return list(touched.values())
+
+    def _append_verified(self, seq: Sequence, tokens: list[int]) -> None:
+        """A speculating sequence's accepted drafts plus the target's own next token."""
+        self.speculator.record(seq, len(seq.spec_token_ids), len(tokens) - 1)
+        # K/V are valid for the previous last token and the accepted drafts, not for rejected ones.
+        seq.num_computed_tokens += len(tokens)
+        seq.clear_spec()
+        for token in tokens:
+            self._append_token(seq, token, None)
+            if seq.finished:
+                return
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.trim(seq)
 
     def _fork(self, parent: Sequence, num_new: int) -> list[Sequence]:
         """n > 1: after the prompt's last chunk, the other samples share its blocks."""
@@ -286,4 +319,5 @@ class LLMEngine:
             num_preemptions=self.batcher.num_preemptions,
             peak_used_blocks=self._peak_used_blocks,
             kv_efficiency_at_peak=self._efficiency_at_peak,
+            spec_decode=self.speculator.stats if self.speculator is not None else None,
         )

@@ -2,10 +2,13 @@
 
 This is the hot path. Inputs are built with numpy over whole sequences (no per-token Python),
 logits are computed only for rows that will be sampled, and nothing here touches the network,
-the tokenizer or a log.
+the tokenizer or a log. With speculative decoding it also runs the draft model (proposals, and a
+mirror of every target forward into the draft's KV pool) and verifies the drafts.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,32 +17,74 @@ from worker.attention import AttentionBackend, BatchLayout
 from worker.batcher import ScheduledBatch
 from worker.kv_cache import KVCache
 from worker.model import LlamaForCausalLM
-from worker.sampler import Sampler, SamplerOutput
+from worker.sampler import Sampler
 from worker.sequence import Sequence
+from worker.spec_decode.draft_proposer import DraftModelProposer
+from worker.spec_decode.rejection_sampler import RejectionSampler
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[list[int]]  # per sampled sequence: one token, or accepted drafts + one
+    logprobs: list[dict[int, float] | None]  # per sampled sequence (never speculating ones)
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, attention: AttentionBackend, sampler: Sampler,
-                 device: torch.device):
+                 device: torch.device, drafter: DraftModelProposer | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler)
+        self.drafter = drafter
         self.device = device
         self.block_size = kv_cache.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int], sample_seqs: list[Sequence]) -> SamplerOutput:
-        """Run one step. sample_rows[j] is the batch index whose last token's logits sample_seqs[j] samples from."""
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int], sample_seqs: list[Sequence]) -> StepOutput:
+        """Run one step. sample_rows[j] is the batch index whose logits sample_seqs[j] samples from: its last
+        token's, or, for a sequence with drafts, all of its tokens' (the drafts are verified)."""
         self.kv_cache.copy_blocks(batch.blocks_to_copy)
+        if self.drafter is not None:
+            self.drafter.kv_cache.copy_blocks(batch.blocks_to_copy)
+            lookahead = [s for s in batch.seqs if s.num_lookahead_tokens]
+            if lookahead:
+                self.drafter.propose(lookahead)
         input_ids, positions, layout = self._prepare(batch)
         metadata = self.attention.prepare(layout)
         hidden = self.model(input_ids, positions, self.attention, self.kv_cache, metadata)
+        if self.drafter is not None:
+            self.drafter.mirror(input_ids, positions, layout)
         if not sample_seqs:
-            return SamplerOutput([], [])
-        last_token = [layout.query_start[i] + layout.query_lens[i] - 1 for i in sample_rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(last_token, device=self.device)])
-        return self.sampler(logits, sample_seqs)
+            return StepOutput([], [])
+        spec = [j for j, s in enumerate(sample_seqs) if s.spec_token_ids]
+        if not spec:
+            last_token = [layout.query_start[i] + layout.query_lens[i] - 1 for i in sample_rows]
+            logits = self.model.compute_logits(hidden[torch.tensor(last_token, device=self.device)])
+            out = self.sampler(logits, sample_seqs)
+            return StepOutput([[t] for t in out.token_ids], out.logprobs)
+        return self._sample_with_drafts(hidden, layout, sample_rows, sample_seqs, spec)
+
+    def _sample_with_drafts(self, hidden: torch.Tensor, layout: BatchLayout, sample_rows: list[int],
+                            sample_seqs: list[Sequence], spec: list[int]) -> StepOutput:
+        spec_set = set(spec)
+        plain = [j for j in range(len(sample_seqs)) if j not in spec_set]
+        index = [layout.query_start[sample_rows[j]] + layout.query_lens[sample_rows[j]] - 1 for j in plain]
+        for j in spec:
+            start = layout.query_start[sample_rows[j]]
+            index.extend(range(start, start + layout.query_lens[sample_rows[j]]))
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        token_ids: list[list[int]] = [[] for _ in sample_seqs]
+        logprobs: list[dict[int, float] | None] = [None] * len(sample_seqs)
+        if plain:
+            out = self.sampler(logits[: len(plain)], [sample_seqs[j] for j in plain])
+            for j, t, lp in zip(plain, out.token_ids, out.logprobs):
+                token_ids[j], logprobs[j] = [t], lp
+        verified = self.rejection_sampler(logits[len(plain) :], [sample_seqs[j] for j in spec])
+        for j, tokens in zip(spec, verified):
+            token_ids[j] = tokens
+        return StepOutput(token_ids, logprobs)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
         bs = self.block_size
@@ -54,6 +99,8 @@ class ModelRunner:
         ids: list[int] = []
         for seq, start, n in zip(batch.seqs, starts.tolist(), batch.num_new_tokens):
             ids.extend(seq.token_ids[start : start + n])
+            if seq.spec_token_ids:
+                ids.extend(seq.spec_token_ids)
         tables = [s.block_table for s in batch.seqs]
         width = max(len(t) for t in tables)
         table_arr = np.zeros((len(tables), width), dtype=np.int64)

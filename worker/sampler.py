@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.sampling_params import SamplingParams
 from worker.sequence import Sequence
 
 
@@ -46,17 +47,22 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
 
         raw = logits
+        logits = self.process_logits(logits, seqs)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            tokens[random_rows] = self._draw(self.probs(logits[random_rows], [params[i] for i in random_rows]),
+                                             [seqs[i] for i in random_rows])
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list))
+
+    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A copy of logits with min_tokens, logit_bias and the penalties applied (row i for seqs[i])."""
         logits = logits.clone()
         self._apply_min_tokens(logits, seqs)
         self._apply_logit_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
-
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            tokens[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list))
+        return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, s in enumerate(seqs):
@@ -96,9 +102,13 @@ class Sampler:
                                       torch.ones(len(out), dtype=logits.dtype, device=logits.device))
                     row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    @staticmethod
+    def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution a non-greedy row draws from: temperature -> top-k -> top-p -> min-p.
+
+        Speculative decoding verifies drafts against exactly this distribution.
+        """
         device = logits.device
-        params = [s.request.params for s in seqs]
         temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
         logits = logits / temps[:, None]
         vocab = logits.shape[1]
@@ -119,6 +129,9 @@ class Sampler:
         min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
         for i, s in enumerate(seqs):

@@ -44,6 +44,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token, besides the chosen one
     skip_special_tokens: bool = True
+    # False: never speculate for this request (when the engine runs with --speculative-config).
+    speculative: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +95,8 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            fail(f"speculative must be true or false, got {self.speculative!r}")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None:
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):

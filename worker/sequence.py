@@ -55,6 +55,14 @@ class Sequence:
         self.detokenizer = None  # set by the engine when it returns text
         self.num_emitted_tokens = 0  # tokens already handed to a streaming consumer
         self.num_emitted_chars = 0
+        # Speculative decoding (worker.spec_decode): this step's drafts, which are not in token_ids
+        # until verified; the number of positions scheduled for them; the draft model's
+        # distributions for sampled rows; recent acceptance and a pause after poor acceptance.
+        self.spec_token_ids: list[int] = []
+        self.num_lookahead_tokens = 0
+        self.draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]
+        self.spec_acceptance = 0.5
+        self.spec_pause = 0
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +79,18 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def clear_spec(self) -> None:
+        self.spec_token_ids = []
+        self.num_lookahead_tokens = 0
+        self.draft_probs = None
+
+    def truncate_spec(self, num_tokens: int) -> None:
+        """Keep only the first num_tokens lookahead positions (the step's token budget ran short)."""
+        self.num_lookahead_tokens = min(self.num_lookahead_tokens, num_tokens)
+        del self.spec_token_ids[num_tokens:]
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:num_tokens]
 
     def fork(self, index: int) -> "Sequence":
         """A sibling sample sharing this sequence's tokens; its blocks are shared by the block manager."""

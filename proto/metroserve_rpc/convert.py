@@ -9,7 +9,7 @@ from worker.request_limits import RequestLimits
 from worker.sampling_params import SamplingParams
 
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "min_tokens", "logprobs", "skip_special_tokens")
+             "frequency_penalty", "seed", "min_tokens", "logprobs", "skip_special_tokens", "speculative")
 
 
 def params_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
@@ -18,7 +18,8 @@ def params_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens,
         ignore_eos=p.ignore_eos, stop=list(p.stop_strings), stop_token_ids=p.stop_token_ids,
-        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens)
+        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens,
+        speculative=p.speculative)
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

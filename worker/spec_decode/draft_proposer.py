@@ -1,0 +1,96 @@
+"""DraftModelProposer: a smaller model with the same tokenizer drafts k tokens per sequence.
+
+The draft keeps its own paged KV pool with the same number of blocks and block size as the
+target's, indexed by the target's block tables. One block id therefore names the same tokens in
+both pools, and everything the block manager does (prefix hits, forks with copy-on-write,
+preemption, aborts, rollback of rejected drafts) applies to the draft's cache for free. To keep the
+two pools in step, the draft runs a forward over every batch the target runs (``mirror``), so any
+block the target has computed or cached is also computed in the draft's pool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.attention import BatchLayout, make_attention_backend
+from worker.kv_cache import KVCache
+from worker.model_files import resolve_model_dir
+from worker.model_loader import load_model, load_tokenizer
+from worker.sampler import Sampler
+from worker.sequence import Sequence
+
+
+class DraftModelProposer:
+    def __init__(self, model: str, target_vocab: dict[str, int], dtype: torch.dtype, device: torch.device,
+                 attention_backend: str):
+        self.model_dir = resolve_model_dir(model)
+        self.model = load_model(self.model_dir, dtype, device)
+        vocab = load_tokenizer(self.model_dir).get_vocab()
+        if vocab != target_vocab:
+            raise ValueError(f"draft model {model!r} does not share the target's tokenizer "
+                             f"({len(vocab)} vs {len(target_vocab)} tokens, or different ids)")
+        self.dtype, self.device = dtype, device
+        self.attention_backend = attention_backend
+        self.attention = None
+        self.kv_cache: KVCache | None = None
+        self.sampler: Sampler | None = None
+
+    def bytes_per_block(self, block_size: int) -> int:
+        cfg = self.model.cfg
+        return KVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+    def init_cache(self, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+        """Allocate the draft pool once the target's block count is known."""
+        cfg = self.model.cfg
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                self.dtype, self.device)
+        self.attention = make_attention_backend(self.attention_backend, block_size, self.device, self.dtype,
+                                                cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+        self.sampler = sampler
+
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> None:
+        """Write the draft's K/V for the tokens of the target's step (no logits needed)."""
+        self.model(input_ids, positions, self.attention, self.kv_cache, self.attention.prepare(layout))
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Fill seq.spec_token_ids with seq.num_lookahead_tokens drafts, and seq.draft_probs for sampled rows.
+
+        The slots the drafts' K/V go to are already allocated: the batcher scheduled 1 + lookahead
+        tokens for each of these sequences. Draft j of a sequence with L tokens sits at position L + j;
+        the draft's forward j reads the token at position L - 1 + j.
+        """
+        for s in seqs:
+            s.spec_token_ids = []
+        sampled = [s for s in seqs if not s.request.params.greedy]
+        q_rows: dict[int, list[torch.Tensor]] = {id(s): [] for s in sampled}
+        bs = self.kv_cache.block_size
+        for j in range(max(s.num_lookahead_tokens for s in seqs)):
+            active = [s for s in seqs if s.num_lookahead_tokens > j]
+            tokens = [s.spec_token_ids[-1] if j else s.token_ids[-1] for s in active]
+            pos = np.asarray([s.num_tokens - 1 + j for s in active], dtype=np.int64)
+            tables = [s.block_table for s in active]
+            width = max(len(t) for t in tables)
+            table_arr = np.zeros((len(active), width), dtype=np.int64)
+            for i, t in enumerate(tables):
+                table_arr[i, : len(t)] = t
+            slots = table_arr[np.arange(len(active)), pos // bs] * bs + pos % bs
+            layout = BatchLayout(query_start=list(range(len(active))), query_lens=[1] * len(active),
+                                 seq_lens=(pos + 1).tolist(), block_tables=tables,
+                                 block_table_tensor=torch.from_numpy(table_arr).to(self.device),
+                                 slot_mapping=torch.from_numpy(slots).to(self.device))
+            positions = torch.from_numpy(pos).to(self.device)
+            hidden = self.model(torch.tensor(tokens, device=self.device), positions, self.attention, self.kv_cache,
+                                self.attention.prepare(layout))
+            logits = self.sampler.process_logits(self.model.compute_logits(hidden), active)
+            next_tokens = logits.argmax(dim=-1)
+            rows = [i for i, s in enumerate(active) if not s.request.params.greedy]
+            if rows:
+                q = Sampler.probs(logits[rows], [active[i].request.params for i in rows])
+                next_tokens[rows] = torch.multinomial(q, 1, generator=self.sampler.generator)[:, 0]
+                for r, i in enumerate(rows):
+                    q_rows[id(active[i])].append(q[r])
+            for s, t in zip(active, next_tokens.tolist()):
+                s.spec_token_ids.append(t)
+        for s in sampled:
+            s.draft_probs = torch.stack(q_rows[id(s)])
