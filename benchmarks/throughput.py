@@ -90,9 +90,10 @@ def load_hf_model(model_dir: Path) -> torch.nn.Module:
 
 
 def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
-               eos_ids: list[int]) -> PeerResult:
-    """metroserve's LLM.generate over all prompts at once; reports KV efficiency and prefix-cache hits."""
-    llm = LLM(model=model)
+               eos_ids: list[int], speculative_config: str | None = None) -> PeerResult:
+    """metroserve's LLM.generate over all prompts at once; reports KV efficiency, prefix-cache hits and,
+    with speculative decoding, its draft counters."""
+    llm = LLM(model=model, speculative_config=speculative_config)
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     before = llm.engine.stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -111,6 +112,13 @@ def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], m
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
+    if after.spec_decode is not None:
+        sd, sd0 = after.spec_decode, before.spec_decode
+        drafts, accepted = sd.num_drafts - sd0.num_drafts, sd.num_accepted_tokens - sd0.num_accepted_tokens
+        draft_tokens = sd.num_draft_tokens - sd0.num_draft_tokens
+        extra.update(spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens, spec_num_accepted_tokens=accepted,
+                     spec_acceptance_rate=accepted / draft_tokens if draft_tokens else 0.0,
+                     spec_mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
     outputs = [trim_output(list(o.outputs[0].token_ids), set(eos_ids), max_tokens) for o in outs]
     return PeerResult("engine", outputs, seconds, extra)
 
@@ -206,6 +214,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static peer")
     parser.add_argument("--json-out", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="run the engine peer with speculative decoding (same JSON as the engine flag)")
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -228,6 +238,10 @@ def _print_report(report: dict[str, Any]) -> None:
               f"{e['peak_used_blocks']}/{e['num_total_blocks']} blocks), preemptions {e['num_preemptions']}, "
               f"prefix-cache hits {e['prefix_cache_hits']}/{e['prefix_cache_queries']} prompt tokens "
               f"({e['prefix_cache_hit_rate']:.1%})")
+        if "spec_num_drafts" in e:
+            print(f"engine speculation: {e['spec_num_drafts']} drafts, {e['spec_num_draft_tokens']} draft tokens, "
+                  f"{e['spec_num_accepted_tokens']} accepted (rate {e['spec_acceptance_rate']:.2f}, "
+                  f"mean acceptance length {e['spec_mean_acceptance_length']:.2f})")
     for name, same in report["identical_to_engine"].items():
         print(f"greedy outputs token-identical, engine vs {name}: {same}/{report['num_requests']}")
     print(f"wall time (loads, warm-ups and all peers): {report['wall_seconds']:.0f}s")
@@ -254,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"== {peer}", flush=True)
         busy_before, own_before, wall_before = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
         if peer == "engine":
-            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids)
+            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, args.speculative_config)
         elif peer == "hf-static":
             results[peer] = run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id,
                                           args.hf_batch_size)

@@ -135,7 +135,7 @@ def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, sche
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks import serve_overhead, throughput
+    from benchmarks import serve_overhead, speculative, throughput
     from worker.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="metroserve", description="LLM serving with a paged KV cache and continuous batching.")
@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve_overhead.add_arguments(ov)
     ov.set_defaults(func=serve_overhead.run)
+    sp = bench_sub.add_parser("speculative", help="speculative decoding (n-gram, draft model) vs plain decoding",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    speculative.add_arguments(sp)
+    sp.set_defaults(func=speculative.run)
     return parser
 
 

@@ -41,3 +41,30 @@ def test_bench_overhead_runs_both_sides(tiny_model_dir, tmp_path):
     assert [r["mode"] for r in report["runs"]] == ["offline", "served", "served", "offline"]
     assert all(r["output_tokens"] == 4 * 8 for r in report["runs"])
     assert report["served_over_offline"] > 0
+
+
+def test_bench_throughput_reports_speculation(tiny_model_dir, tmp_path, capsys):
+    out_file = tmp_path / "tp.json"
+    main(["bench", "throughput", "--model", str(tiny_model_dir), "--num-requests", "4", "--max-tokens", "8",
+          "--peers", "engine", "--json-out", str(out_file),
+          "--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1, "min_acceptance_rate": 0}'])
+    engine = json.loads(out_file.read_text())["peers"]["engine"]
+    assert engine["spec_num_drafts"] > 0
+    assert engine["spec_mean_acceptance_length"] == 1 + engine["spec_num_accepted_tokens"] / engine["spec_num_drafts"]
+    assert "engine speculation:" in capsys.readouterr().out
+
+
+def test_bench_speculative_runs_every_section(tiny_model_dir, tmp_path, monkeypatch):
+    import benchmarks.speculative as bench
+
+    monkeypatch.setattr(bench, "cache_root", lambda: tmp_path)  # the early-exit draft is written here
+    out_file = tmp_path / "spec.json"
+    main(["bench", "speculative", "--model", str(tiny_model_dir), "--rounds", "2", "--max-tokens", "8",
+          "--batch-requests", "4", "--draft-layers", "1", "--json-out", str(out_file)])
+    results = json.loads(out_file.read_text())["results"]
+    assert [r["section"] for r in results] == ["single: n-gram", "batch of 4: n-gram", "single: draft = the target in bfloat16",
+                                               "single: draft = first 1 layers"]
+    for r in results:
+        assert r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
+        assert r["identical_outputs"] == r["requests"]  # verification is exact
+    assert (tmp_path / "drafts").is_dir()

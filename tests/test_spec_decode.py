@@ -63,13 +63,15 @@ def run(llm, prompts, params=GREEDY):
 STRESS = dict(block_size=4, max_num_batched_tokens=24, num_gpu_blocks_override=64)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model_random", "draft_model_self"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model_random", "draft_model_self", "draft_model_bf16"])
 def test_greedy_output_identical_under_stress(tiny_model_dir, tiny_ref, draft_dir, prompts, method):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, **ALWAYS}
     if method == "draft_model_random":
         spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3, **ALWAYS}
     elif method == "draft_model_self":  # the target as its own draft: every draft is accepted
         spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 5, **ALWAYS}
+    elif method == "draft_model_bf16":  # the target in bfloat16 as the draft: mostly accepted
+        spec = {"method": "draft_model", "model": str(tiny_model_dir), "draft_dtype": "bfloat16", **ALWAYS}
     plain = run(LLM(str(tiny_model_dir), **STRESS), prompts)
     llm = LLM(str(tiny_model_dir), speculative_config=spec, **STRESS)
     ours = run(llm, prompts)
@@ -81,7 +83,7 @@ def test_greedy_output_identical_under_stress(tiny_model_dir, tiny_ref, draft_di
     assert sd.num_drafts > 0 and sd.num_accepted_tokens > 0
     if method == "draft_model_self":
         assert sd.num_accepted_tokens == sd.num_draft_tokens
-    else:
+    elif method != "draft_model_bf16":
         assert sd.num_accepted_tokens < sd.num_draft_tokens  # rejections (and rollbacks) happened
     assert sd.mean_acceptance_length == pytest.approx(1 + sd.num_accepted_tokens / sd.num_drafts)
     assert sd.acceptance_rate == pytest.approx(sd.num_accepted_tokens / sd.num_draft_tokens)
@@ -303,3 +305,21 @@ def test_cli_flag_reaches_worker_processes():
     # serve hands the engine flags to each worker process as argv
     again = EngineConfig.from_cli_args(parser.parse_args(EngineConfig(speculative_config=spec).to_cli_args()))
     assert SpeculativeConfig.parse(again.speculative_config) == SpeculativeConfig(**spec)
+
+
+def test_serve_with_speculation_gives_plain_text(tiny_model_dir, tmp_path):
+    """--speculative-config reaches the worker processes; text equals offline plain decoding either way."""
+    from openai import OpenAI
+
+    from tests.stack import ServeStack
+
+    prompt = "Return a new dictionary object. Return a new dictionary object. Return a new"
+    expected = LLM(str(tiny_model_dir)).generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+    spec = json.dumps({"method": "ngram", "prompt_lookup_min": 1, **ALWAYS})
+    with ServeStack(tiny_model_dir, extra_args=["--served-model-name", "tiny", "--speculative-config", spec],
+                    log_path=tmp_path / "serve.log") as stack:
+        client = OpenAI(base_url=stack.base_url, api_key="none")
+        for extra in ({"ignore_eos": True}, {"ignore_eos": True, "speculative": False}):
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, extra_body=extra)
+            assert out.choices[0].text == expected
+        stack.wait_idle()

@@ -76,8 +76,11 @@ class LLMEngine:
         spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.drafter = None
         if spec_config is not None and spec_config.method == "draft_model":
-            self.drafter = DraftModelProposer(spec_config.model, self.tokenizer.get_vocab(), self.dtype, self.device,
-                                              config.attention_backend)
+            draft_dtype = _DTYPES[spec_config.draft_dtype] if spec_config.draft_dtype else self.dtype
+            # The compiled CPU kernel is float32 only: a draft in another dtype picks its own backend.
+            draft_backend = "torch" if config.attention_backend == "torch" else "auto"
+            self.drafter = DraftModelProposer(spec_config.model, self.tokenizer.get_vocab(), draft_dtype, self.device,
+                                              draft_backend)
 
         bs = config.block_size
         num_blocks = config.num_gpu_blocks_override or self._num_blocks_for_budget()

@@ -24,6 +24,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram to look up
     prompt_lookup_min: int = 2  # ngram: shortest
     model: str | None = None  # draft_model: HF-format directory or .gguf, same tokenizer as the target
+    draft_dtype: str | None = None  # draft_model: its weights' and KV pool's dtype (default: the target's)
     disable_by_batch_size: int = 4
     min_acceptance_rate: float = 0.2
     pause_steps: int = 16
@@ -49,8 +50,10 @@ class SpeculativeConfig:
             fail(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
         if self.method == "draft_model" and not self.model:
             fail('method "draft_model" needs "model": the draft model\'s directory or .gguf file')
-        if self.method == "ngram" and self.model:
-            fail('"model" is only used by method "draft_model"')
+        if self.method == "ngram" and (self.model or self.draft_dtype):
+            fail('"model" and "draft_dtype" are only used by method "draft_model"')
+        if self.draft_dtype not in (None, "float32", "bfloat16", "float16"):
+            fail(f"draft_dtype must be float32, bfloat16 or float16, got {self.draft_dtype!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
