@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -322,5 +322,5 @@ class LLMEngine:
             num_preemptions=self.batcher.num_preemptions,
             peak_used_blocks=self._peak_used_blocks,
             kv_efficiency_at_peak=self._efficiency_at_peak,
-            spec_decode=self.speculator.stats if self.speculator is not None else None,
+            spec_decode=replace(self.speculator.stats) if self.speculator is not None else None,
         )
