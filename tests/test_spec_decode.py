@@ -323,3 +323,20 @@ def test_serve_with_speculation_gives_plain_text(tiny_model_dir, tmp_path):
             out = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, extra_body=extra)
             assert out.choices[0].text == expected
         stack.wait_idle()
+
+
+def test_bench_speculative_runs_every_section(tiny_model_dir, tmp_path, monkeypatch):
+    import benchmarks.speculative as bench
+    from services.cli import main
+
+    monkeypatch.setattr(bench, "cache_root", lambda: tmp_path)  # the early-exit draft is written here
+    out_file = tmp_path / "spec.json"
+    main(["bench", "speculative", "--model", str(tiny_model_dir), "--rounds", "2", "--max-tokens", "8",
+          "--batch-requests", "4", "--draft-layers", "1", "--json-out", str(out_file)])
+    results = json.loads(out_file.read_text())["results"]
+    assert [r["section"] for r in results] == ["single: n-gram", "batch of 4: n-gram", "single: draft = the target in bfloat16",
+                                               "single: draft = first 1 layers"]
+    for r in results:
+        assert r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
+        assert r["identical_outputs"] == r["requests"]  # verification is exact
+    assert (tmp_path / "drafts").is_dir()
