@@ -53,3 +53,16 @@ def test_bench_throughput_reports_speculation(tiny_model_dir, tmp_path, capsys):
     assert engine["spec_mean_acceptance_length"] == 1 + engine["spec_num_accepted_tokens"] / engine["spec_num_drafts"]
     assert "engine speculation:" in capsys.readouterr().out
 
+
+
+def test_serve_splits_cpu_cores_between_workers(monkeypatch):
+    """Two CPU workers with one thread per core each would oversubscribe the cores."""
+    from services.serve import ServeOptions, Stack
+    from worker.config import EngineConfig
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    stack = Stack(ServeOptions(engine=EngineConfig(device="cpu"), served_model_name="m", workers=3))
+    assert stack._worker_env(0)["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's choice wins
+    assert stack._worker_env(1) is None
