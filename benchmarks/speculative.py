@@ -5,8 +5,11 @@ Three measurements (``--only`` picks some):
 - ``single``: one request at a time over an input-grounded workload (rename a variable in a
   standard-library function and print it whole, copy a passage, summarise a passage quoting it),
   greedy, n-gram speculation vs plain. Rounds alternate which engine goes first.
-- ``batch``: the mixed chat workload of ``bench throughput`` (64 requests at once) with n-gram
-  speculation vs plain: speculation must stay out of the way when the batch is large.
+- ``single-chat``: one request at a time over the first 8 requests of the mixed chat workload of
+  ``bench throughput`` (questions about documentation, answers mostly in new words): where drafts
+  rarely match, speculation must cost little.
+- ``batch``: the mixed chat workload (64 requests at once) with n-gram speculation vs plain:
+  speculation must stay out of the way when the batch is large.
 - ``draft``: the single-stream workload with a draft model. No smaller model with SmolLM2's
   tokenizer can be obtained here, so two self-drafts are measured: (a) SmolLM2-135M itself in
   bfloat16 (half the bytes to read per token; this CPU has AVX512-BF16), and (b) SmolLM2-135M cut
@@ -43,7 +46,7 @@ from benchmarks.workload import build_chat_workload, stdlib_docstrings
 from worker import LLM, SamplingParams
 from worker.model_files import cache_root, resolve_model_dir
 
-SECTIONS = ("single", "batch", "draft")
+SECTIONS = ("single", "single-chat", "batch", "draft")
 # Functions to edit: (function, variable to rename, new name).
 EDITS = ((textwrap.dedent, "margin", "common_prefix"), (textwrap.indent, "prefix", "pad"),
          (string.capwords, "sep", "separator"), (shlex.join, "split_command", "argv"),
@@ -155,11 +158,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     num_comparisons = len(sections) + ("draft" in sections)  # the draft section compares two drafts
     with tqdm(total=2 * args.rounds * num_comparisons, desc="speculative bench", unit="arm-run") as bar:
-        if "single" in sections or "batch" in sections:
+        if {"single", "single-chat", "batch"} & set(sections):
             spec = LLM(str(model_dir), speculative_config=ngram, **common)
             spec.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             if "single" in sections:
                 results.append(compare("single: n-gram", plain, spec, prompts, greedy, args.rounds, True, bar))
+            if "single-chat" in sections:
+                chat = build_chat_workload(plain.get_tokenizer(), num_requests=args.batch_requests)[:8]
+                results.append(compare("single-chat: n-gram", plain, spec, chat,
+                                       SamplingParams(temperature=0, max_tokens=128), args.rounds, True, bar))
             if "batch" in sections:
                 batch = build_chat_workload(plain.get_tokenizer(), num_requests=args.batch_requests)
                 results.append(compare(f"batch of {len(batch)}: n-gram", plain, spec, batch,

@@ -334,7 +334,8 @@ def test_bench_speculative_runs_every_section(tiny_model_dir, tmp_path, monkeypa
     main(["bench", "speculative", "--model", str(tiny_model_dir), "--rounds", "2", "--max-tokens", "8",
           "--batch-requests", "4", "--draft-layers", "1", "--json-out", str(out_file)])
     results = json.loads(out_file.read_text())["results"]
-    assert [r["section"] for r in results] == ["single: n-gram", "batch of 4: n-gram", "single: draft = the target in bfloat16",
+    assert [r["section"] for r in results] == ["single: n-gram", "single-chat: n-gram", "batch of 4: n-gram",
+                                               "single: draft = the target in bfloat16",
                                                "single: draft = first 1 layers"]
     for r in results:
         assert r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
