@@ -226,6 +226,18 @@ def test_no_block_leaks_with_preemption_and_aborts(tiny_model_dir, draft_dir, pr
 
 # -- switches and fallbacks --------------------------------------------------------------------------
 
+def test_logit_bias_applies_at_every_verified_position(tiny_model_dir, prompts):
+    """logit_bias is the one logits processing a speculating request can have; drafts see it too."""
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logit_bias={7: 6.0, 42: 6.0})
+    plain = run(LLM(str(tiny_model_dir)), prompts, params)
+    llm = LLM(str(tiny_model_dir), speculative_config={"method": "ngram", "prompt_lookup_min": 1, **ALWAYS})
+    ours = run(llm, prompts, params)
+    assert ours == plain
+    assert sum(t in (7, 42) for out in plain for t in out) > len(prompts)  # the bias did change the text
+    sd = llm.engine.stats().spec_decode
+    assert 0 < sd.num_accepted_tokens < sd.num_draft_tokens
+
+
 def test_per_request_switch_and_ineligible_requests(tiny_model_dir, prompts):
     llm = LLM(str(tiny_model_dir), speculative_config={"method": "ngram", "prompt_lookup_min": 1, **ALWAYS})
     for params in (SamplingParams(temperature=0, max_tokens=NEW, speculative=False),
