@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from metroserve_rpc import generation_pb2
 from worker.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class Placement:
     worker_id: str | None = None
     prefill_tokens: int = 0  # tokens the worker must compute before the first output
     started: bool = False  # the worker has sent output for it
+    queued_wall_time: float = field(default_factory=time.time)  # for its queueing span
 
     def __post_init__(self) -> None:
         self.placement_id = f"{self.request.request_id}/{next(_placement_ids)}"
@@ -59,6 +61,13 @@ class RequestState:
     # What the Generate stream sends: GenerateResponse messages, or an exception to end with.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
+    # Telemetry (scheduler/telemetry.py): monotonic times, workers placed on, the trace span.
+    arrival_wall_time: float = field(default_factory=time.time)
+    placed_time: float | None = None
+    first_token_time: float | None = None
+    workers: list[str] = field(default_factory=list)
+    num_migrations: int = 0
+    span: Any = None
 
     def __post_init__(self) -> None:
         self.outputs = [[] for _ in range(self.params.n)]

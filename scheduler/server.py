@@ -23,14 +23,18 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from kvstore import RequestRecord, open_kvstore
 from kvstore.block_hash import extra_keys_for, hash_prompt_blocks
 from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2, generation_pb2_grpc
 from metroserve_rpc.convert import limits_from_proto, params_from_proto, params_to_dict
+from scheduler.metrics import SchedulerCollector
 from scheduler.placement import choose_worker
 from scheduler.request_state import Placement, RequestState
+from scheduler.telemetry import RequestTelemetry
 from scheduler.worker_link import WorkerLink
+from services.metrics_http import start_metrics_server
 from worker.request_limits import RequestLimits, check_request
 
 logger = logging.getLogger(__name__)
@@ -47,6 +51,8 @@ class SchedulerOptions:
     # exceed the longest step; a crashed worker is noticed at once anyway (its stream breaks).
     heartbeat_timeout_s: float = 30.0
     retry_after_s: int = 1
+    metrics_port: int = 0  # 0: no /metrics
+    log_requests: bool = True  # one structured line per finished request
 
 
 class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerHubServicer,
@@ -59,9 +65,10 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
         self.queue: list[Placement] = []  # by (priority, arrival)
         self.health = health.aio.HealthServicer()
         self.num_migrations = 0
-        self.num_rejected = 0
+        self.rejections: Counter = Counter()  # status code name -> requests refused
         self.placements_by_worker: Counter = Counter()
-        self.placement_prefix_hit_tokens = 0
+        self.placement_hit_tokens_by_worker: Counter = Counter()
+        self.telemetry = RequestTelemetry(options.log_requests)
         self._rotation = 0  # spreads ties between equally good workers
 
     # -- admission ---------------------------------------------------------------------------
@@ -72,7 +79,7 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
 
     async def _admit(self, request: generation_pb2.GenerateRequest, context) -> RequestState:
         async def refuse(code: grpc.StatusCode, message: str) -> None:
-            self.num_rejected += 1
+            self.rejections[code.name] += 1
             await context.abort(code, message)
 
         models = {w.model for w in self.workers.values()}
@@ -103,6 +110,7 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
 
         state = RequestState(request_id, prompt, params, request.params, request.priority, request.cache_salt or None)
         self.requests[request_id] = state
+        self.telemetry.admitted(state, context.invocation_metadata(), request.model or next(iter(models), ""))
         self.kvstore.put_request(RequestRecord(request_id, prompt, params_to_dict(params), state.priority,
                                                state.cache_salt))
         self._enqueue(self._new_placement(state, 0, params.n, []))
@@ -152,7 +160,8 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
                 link.release(placement, abort=True)
         state.placements.clear()
         self.queue = [p for p in self.queue if p.request is not state]
-        self.requests.pop(state.request_id, None)
+        if self.requests.pop(state.request_id, None) is not None:
+            self.telemetry.ended(state)
         self.kvstore.delete_request(state.request_id)
         self._dispatch()
 
@@ -191,12 +200,13 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
             params = generation_pb2.SamplingParams()
             params.CopyFrom(state.params_proto)
             params.n = placement.num_seqs
+            trace_context = self.telemetry.placed(placement, link.worker_id)
             link.assign(placement, cluster_pb2.Assignment(
                 placement_id=placement.placement_id, prompt_token_ids=state.prompt_token_ids,
                 resume_token_ids=placement.resume_token_ids, params=params, priority=state.priority,
-                cache_salt=state.cache_salt or ""))
+                cache_salt=state.cache_salt or "", trace_context=trace_context))
             self.placements_by_worker[link.worker_id] += 1
-            self.placement_prefix_hit_tokens += hit_tokens
+            self.placement_hit_tokens_by_worker[link.worker_id] += hit_tokens
             self.kvstore.update_request(state.request_id, worker_id=link.worker_id, status="running")
 
     def _requeue_unfinished(self, placement: Placement) -> None:
@@ -210,6 +220,7 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
         if not unfinished:
             return
         self.num_migrations += 1
+        state.num_migrations += 1
         if not any(state.outputs[i] for i in indices):  # nothing produced yet: place it again as it was
             self._enqueue(self._new_placement(state, placement.base_index, placement.num_seqs, []))
         else:  # each sequence continues on its own from its own tokens
@@ -292,6 +303,8 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
         response = generation_pb2.GenerateResponse(request_id=state.request_id)
         if not placement.started:
             placement.started = True
+            if state.first_token_time is None:
+                state.first_token_time = time.monotonic()
             if placement.base_index == 0 and not placement.resume_token_ids:
                 state.num_cached_tokens = out.num_cached_tokens
                 response.num_cached_tokens = out.num_cached_tokens
@@ -315,6 +328,7 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
             state.done = True
             self.requests.pop(state.request_id, None)
             self.kvstore.delete_request(state.request_id)
+            self.telemetry.ended(state)
         if response.outputs or state.done:
             state.events.put_nowait(response)
 
@@ -350,8 +364,8 @@ class Scheduler(generation_pb2_grpc.GenerationServicer, cluster_pb2_grpc.WorkerH
     async def GetStatus(self, request, context):
         status = cluster_pb2.ClusterStatus(
             queue_depth=len(self.queue), num_active_requests=len(self.requests), num_migrations=self.num_migrations,
-            num_rejected=self.num_rejected, placements_by_worker=dict(self.placements_by_worker),
-            placement_prefix_hit_tokens=self.placement_prefix_hit_tokens)
+            num_rejected=sum(self.rejections.values()), placements_by_worker=dict(self.placements_by_worker),
+            placement_prefix_hit_tokens=sum(self.placement_hit_tokens_by_worker.values()))
         for w in self.workers.values():
             status.workers.append(cluster_pb2.WorkerStatus(
                 worker_id=w.worker_id, epoch=w.epoch, pid=w.pid, host=w.host, draining=w.draining,
@@ -381,10 +395,18 @@ async def run_scheduler(options: SchedulerOptions, stop: asyncio.Event | None = 
     await scheduler.health.set("", health_pb2.HealthCheckResponse.SERVING)
     await scheduler._update_readiness()
     leases = asyncio.ensure_future(scheduler.watch_leases())
-    logger.info("scheduler listening on %s (kvstore: %s)", address, options.kvstore)
+    metrics = None
+    if options.metrics_port:
+        registry = CollectorRegistry()
+        registry.register(SchedulerCollector(scheduler))
+        metrics = await start_metrics_server(registry, options.host, options.metrics_port, "scheduler")
+    logger.info("scheduler listening on %s (kvstore: %s%s)", address, options.kvstore,
+                f"; /metrics on port {options.metrics_port}" if metrics else "")
     try:
         await (stop.wait() if stop is not None else server.wait_for_termination())
     finally:
         leases.cancel()
+        if metrics is not None:
+            await metrics.cleanup()
         await server.stop(1.0)
         await kvstore.close()

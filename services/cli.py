@@ -53,15 +53,20 @@ def _run_async(main, component: str) -> None:
 
 def _scheduler(args: argparse.Namespace) -> None:
     from scheduler.server import SchedulerOptions, run_scheduler
+    from services.tracing import configure_tracing
 
+    configure_tracing("metroserve-scheduler", args.otlp_endpoint)
     options = SchedulerOptions(host=args.host, port=args.port, kvstore=args.kvstore, max_queue_len=args.max_queue_len,
-                               heartbeat_timeout_s=args.heartbeat_timeout)
+                               heartbeat_timeout_s=args.heartbeat_timeout, metrics_port=args.metrics_port,
+                               log_requests=not args.disable_log_requests)
     _run_async(lambda stop: run_scheduler(options, stop), "scheduler")
 
 
 def _gateway(args: argparse.Namespace) -> None:
     from services.gateway import GatewayOptions, run_gateway
+    from services.tracing import configure_tracing
 
+    configure_tracing("metroserve-gateway", args.otlp_endpoint)
     options = GatewayOptions(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes)
@@ -72,12 +77,14 @@ def _worker(args: argparse.Namespace) -> None:
     import uvloop
 
     from worker.config import EngineConfig
+    from services.tracing import configure_tracing
     from worker.service import WorkerOptions, WorkerService
 
     _setup_logging("worker")
+    configure_tracing("metroserve-worker", args.otlp_endpoint)
     options = WorkerOptions(scheduler=args.scheduler, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
                             health_port=args.health_port, drain_timeout_s=args.drain_timeout,
-                            served_model_name=args.served_model_name)
+                            served_model_name=args.served_model_name, metrics_port=args.metrics_port)
     config = EngineConfig.from_cli_args(args)
 
     async def main() -> None:
@@ -99,7 +106,9 @@ def _serve(args: argparse.Namespace) -> None:
     config.model = str(resolve_model_dir(config.model))  # convert a GGUF once, before the workers start
     stack = Stack(ServeOptions(engine=config, served_model_name=name, workers=args.workers, host=args.host,
                                port=args.port, grpc_port=args.grpc_port, scheduler_port=args.scheduler_port,
-                               kvstore=args.kvstore, api_key=args.api_key, max_queue_len=args.max_queue_len))
+                               kvstore=args.kvstore, api_key=args.api_key, max_queue_len=args.max_queue_len,
+                               metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint,
+                               log_requests=not args.disable_log_requests))
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -112,6 +121,7 @@ def _serve(args: argparse.Namespace) -> None:
             sys.exit("metroserve serve: the stack did not become ready; see the log above")
         print(f"metroserve: serving {name} at http://{args.host}:{args.port}/v1 (gRPC {args.host}:{args.grpc_port}, "
               f"{args.workers} worker{'s' if args.workers != 1 else ''})", flush=True)
+        print(f"metroserve: metrics at {', '.join(stack.metrics_urls())}", flush=True)
         code = stack.supervise()
     except KeyboardInterrupt:
         code = 0
@@ -134,8 +144,20 @@ def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, sche
                        help="requests that may wait for a worker slot; beyond it: 429 with Retry-After")
 
 
+def _add_observability_args(p: argparse.ArgumentParser, *, metrics_port: int | None = None,
+                            metrics_help: str = "", log_requests: bool = False) -> None:
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry traces here (OTLP/HTTP, e.g. http://127.0.0.1:4318); default: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT, else tracing is off")
+    if metrics_port is not None:
+        p.add_argument("--metrics-port", type=int, default=metrics_port, help=metrics_help)
+    if log_requests:
+        p.add_argument("--disable-log-requests", action="store_true",
+                       help="no structured log line per finished request")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks import serve_overhead, speculative, throughput
+    from benchmarks import observability_overhead, serve_overhead, serving, speculative, throughput
     from worker.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="metroserve", description="LLM serving with a paged KV cache and continuous batching.")
@@ -157,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=1, help="worker processes, each with its own KV pool")
     serve.add_argument("--scheduler-port", type=int, default=50051, help="the scheduler's gRPC port (loopback)")
     _add_service_args(serve, gateway=True, scheduler=True)
+    _add_observability_args(serve, metrics_port=9090, log_requests=True,
+                            metrics_help="Prometheus /metrics of the scheduler on this loopback port, of worker i on "
+                                         "this port + 1 + i (0: none); the gateway's is on --port")
     EngineConfig.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -167,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--heartbeat-timeout", type=float, default=30.0,
                        help="seconds of silence after which a worker is dropped and its work moved")
     _add_service_args(sched, scheduler=True)
+    _add_observability_args(sched, metrics_port=0, log_requests=True,
+                            metrics_help="serve Prometheus /metrics on this port (0: none)")
     sched.set_defaults(func=_scheduler)
 
     gw = sub.add_parser("gateway", help="run an API gateway (REST + gRPC) in front of a scheduler",
@@ -175,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model", default=None, help="model directory or .gguf, for the tokenizer and chat template")
     gw.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get a 400")
     _add_service_args(gw, gateway=True)
+    _add_observability_args(gw)
     gw.set_defaults(func=_gateway)
 
     wk = sub.add_parser("worker", help="run a worker: one engine and KV pool, connected to a scheduler",
@@ -185,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds to finish running work before handing it back")
     wk.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    _add_observability_args(wk, metrics_port=0, metrics_help="serve Prometheus /metrics on this port (0: none)")
     EngineConfig.add_cli_args(wk)
     wk.set_defaults(func=_worker)
 
@@ -202,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     speculative.add_arguments(sp)
     sp.set_defaults(func=speculative.run)
+    bs = bench_sub.add_parser("serve", help="load generator for any OpenAI-compatible server: TTFT, TPOT, ITL, "
+                                            "throughput, goodput, prefix-cache hits; JSON and PNG plots",
+                              formatter_class=argparse.RawDescriptionHelpFormatter, description=serving.__doc__)
+    serving.add_arguments(bs)
+    bs.set_defaults(func=lambda a: sys.exit(serving.main(a)))
+    ob = bench_sub.add_parser("observability", help="throughput with metrics, request logs and tracing on vs off",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    observability_overhead.add_arguments(ob)
+    ob.set_defaults(func=observability_overhead.run)
     return parser
 
 

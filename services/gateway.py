@@ -16,6 +16,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2_grpc
+from services.gateway_metrics import GatewayMetrics
 from services.grpc_api import ApiKeyInterceptor, GatewayGeneration
 from services.rest import RestAPI
 from services.scheduler_client import SchedulerClient
@@ -62,7 +63,8 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     model_name = options.served_model_name or served_model_name(options.model)
     client = SchedulerClient(options.scheduler)
 
-    rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes)
+    metrics = GatewayMetrics()
+    rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes, metrics)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts upstream.
     runner = web.AppRunner(rest.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -73,7 +75,7 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     readiness = None
     if options.grpc_port:
         server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
-        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name), server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name, metrics), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if server.add_insecure_port(f"{options.host}:{options.grpc_port}") == 0:

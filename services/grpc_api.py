@@ -6,14 +6,22 @@ strings on the way back (services/text_stream.py). A cancelled call aborts the r
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 import uuid
 
 import grpc
+from opentelemetry import trace
 
 from metroserve_rpc import generation_pb2, generation_pb2_grpc
 from metroserve_rpc.convert import params_from_proto
+from services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
 from services.scheduler_client import SchedulerClient, UpstreamError
 from services.text_stream import stream_text
+from services.tracing import tracer
+
+GENERATE_ROUTE = "grpc:/metroserve.v1.Generation/Generate"
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -38,12 +46,34 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, client: SchedulerClient, tokenizer, model_name: str):
+    def __init__(self, client: SchedulerClient, tokenizer, model_name: str, metrics: GatewayMetrics):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.metrics = metrics
+        self.tracer = tracer("metroserve.gateway")
 
     async def Generate(self, request, context):
+        """Counted in gateway_requests under the gRPC status code name; traced like a REST call."""
+        start = time.perf_counter()
+        status = "OK"
+        span = contextlib.nullcontext() if self.tracer is None else self.tracer.start_as_current_span(
+            "metroserve.v1.Generation/Generate", kind=trace.SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "gen_ai.request.model": self.model_name})
+        try:
+            with span:
+                async for msg in self._generate(request, context):
+                    yield msg
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        except BaseException:
+            status = context.code().name if context.code() is not None else "UNKNOWN"
+            raise
+        finally:
+            self.metrics.record(GENERATE_ROUTE, status, time.perf_counter() - start)
+
+    async def _generate(self, request, context):
         if request.model and request.model != self.model_name:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"model {request.model!r} does not exist; this server serves {self.model_name!r}")

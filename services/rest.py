@@ -12,22 +12,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 from aiohttp import web
+from opentelemetry import trace
 
+from services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
+from services.metrics_http import metrics_handler
 from services.openai_api import (BadRequest, GenerationRequest, ResponseBuilder, error_body, parse_chat,
                                  parse_completion, parse_messages)
 from services.scheduler_client import SchedulerClient, UpstreamError
 from services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
+from services.tracing import tracer
 
 logger = logging.getLogger(__name__)
 
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
            grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNAUTHENTICATED: 401}
-_UNPROTECTED = ("/health",)
+_UNPROTECTED = ("/health", "/metrics")
 
 
 def json_error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -44,8 +49,10 @@ def upstream_error_response(e: UpstreamError) -> web.Response:
 
 class RestAPI:
     def __init__(self, client: SchedulerClient, tokenizer, model_name: str, max_model_len: int,
-                 api_key: str | None, max_body_bytes: int):
+                 api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics):
         self.client = client
+        self.metrics = metrics
+        self.tracer = tracer("metroserve.gateway")
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -53,7 +60,8 @@ class RestAPI:
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors_and_auth])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._count, self._errors_and_auth])
+        app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -61,6 +69,25 @@ class RestAPI:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         return app
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        """Every request lands in gateway_requests{route, status}; a client that left counts as 499."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        if route == "/metrics":
+            return await handler(request)
+        start = time.perf_counter()
+        status = "500"
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            self.metrics.record(route, status, time.perf_counter() - start)
 
     @web.middleware
     async def _errors_and_auth(self, request: web.Request, handler):
@@ -105,6 +132,14 @@ class RestAPI:
 
     async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         self._check_model(req.model)
+        if self.tracer is None:
+            return await self._generate_untraced(request, req)
+        with self.tracer.start_as_current_span(f"{request.method} {request.path}", kind=trace.SpanKind.SERVER,
+                                               attributes={"http.route": request.path,
+                                                           "gen_ai.request.model": self.model_name}):
+            return await self._generate_untraced(request, req)
+
+    async def _generate_untraced(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         builder = ResponseBuilder(request_id, self.model_name, req.chat, req.logprobs, self.tokenizer,
                                   req.params.logprobs or 0)
@@ -124,6 +159,7 @@ class RestAPI:
                     choices.setdefault(prompt_index * n + delta.index, []).append(delta)
                 if update.usage is not None:
                     _add_usage(usage, update.usage)
+            _trace_usage(usage)
             return web.json_response(builder.full(choices, usage))
         finally:
             await merged.aclose()
@@ -150,6 +186,7 @@ class RestAPI:
             payload = error_body(e.message, "server_error", code=e.code.name.lower())
             await response.write(f"data: {json.dumps(payload)}\n\n".encode())
         else:
+            _trace_usage(usage)
             if req.include_usage:
                 await response.write(f"data: {json.dumps(builder.usage_chunk(usage))}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
@@ -194,6 +231,14 @@ class RestAPI:
                                                    for t in tokens):
             raise BadRequest(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+
+def _trace_usage(usage: Usage) -> None:
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
+                             "gen_ai.usage.output_tokens": usage.completion_tokens,
+                             "metroserve.cached_tokens": usage.cached_tokens})
 
 
 def _add_usage(total: Usage, part: Usage) -> None:

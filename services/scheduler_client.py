@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2, generation_pb2_grpc
-
+from services.tracing import inject_context, tracer
 
 
 @dataclass
@@ -38,6 +38,7 @@ class SchedulerClient:
         self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._tracing = tracer("metroserve.gateway") is not None
 
     async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yields the scheduler's messages, the first being its admission acknowledgment (no tokens).
@@ -46,7 +47,9 @@ class SchedulerClient:
         still answer with an error status. Closing the iterator early cancels the call, which
         aborts the request down to the worker.
         """
-        call = self._stub.Generate(request)
+        # The caller's span (if tracing) travels as W3C traceparent metadata.
+        metadata = tuple(inject_context().items()) if self._tracing else None
+        call = self._stub.Generate(request, metadata=metadata or None)
         try:
             try:
                 ack = await call.read()

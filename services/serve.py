@@ -53,6 +53,9 @@ class ServeOptions:
     kvstore: str = "memory"
     api_key: str | None = None
     max_queue_len: int = 1024
+    metrics_port: int = 9090  # the scheduler's; worker i's is this + 1 + i; 0: none
+    otlp_endpoint: str | None = None
+    log_requests: bool = True
 
 
 class Stack:
@@ -82,15 +85,34 @@ class Stack:
             return {**os.environ, "OMP_NUM_THREADS": str(threads)}
         return {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpus[index % len(self.gpus)]}
 
+    def _tracing_argv(self) -> list[str]:
+        return ["--otlp-endpoint", self.options.otlp_endpoint] if self.options.otlp_endpoint else []
+
     def _worker_argv(self, worker_id: str) -> list[str]:
         o = self.options
+        index = int(worker_id.rsplit("-", 1)[1])
+        metrics = ["--metrics-port", str(o.metrics_port + 1 + index)] if o.metrics_port else []
         return ["worker", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--worker-id", worker_id,
-                "--served-model-name", o.served_model_name, *o.engine.to_cli_args()]
+                "--served-model-name", o.served_model_name, *metrics, *self._tracing_argv(), *o.engine.to_cli_args()]
+
+    def metrics_urls(self) -> list[str]:
+        o = self.options
+        host = o.host if o.host != "0.0.0.0" else "127.0.0.1"
+        urls = [f"http://{host}:{o.port}/metrics (gateway)"]
+        if o.metrics_port:
+            urls.append(f"http://127.0.0.1:{o.metrics_port}/metrics (scheduler)")
+            if not o.engine.disable_log_stats:
+                urls += [f"http://127.0.0.1:{o.metrics_port + 1 + i}/metrics (worker-{i})" for i in range(o.workers)]
+        return urls
 
     def start(self) -> None:
         o = self.options
-        self.scheduler = self._spawn(["scheduler", "--host", "127.0.0.1", "--port", str(o.scheduler_port),
-                                      "--kvstore", o.kvstore, "--max-queue-len", str(o.max_queue_len)])
+        scheduler = ["scheduler", "--host", "127.0.0.1", "--port", str(o.scheduler_port), "--kvstore", o.kvstore,
+                     "--max-queue-len", str(o.max_queue_len), "--metrics-port", str(o.metrics_port),
+                     *self._tracing_argv()]
+        if not o.log_requests:
+            scheduler.append("--disable-log-requests")
+        self.scheduler = self._spawn(scheduler)
         for i in range(o.workers):
             worker_id = f"worker-{i}"
             self.workers[worker_id] = self._spawn(self._worker_argv(worker_id), self._worker_env(i))
@@ -100,6 +122,7 @@ class Stack:
             gateway += ["--model", o.engine.model]
         if o.api_key:
             gateway += ["--api-key", o.api_key]
+        gateway += self._tracing_argv()
         self.gateway = self._spawn(gateway)
 
     def wait_ready(self, timeout_s: float = 600.0) -> bool:

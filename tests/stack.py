@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,13 +36,31 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
+def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Sample name + sorted labels -> value (model_name dropped: it is the same everywhere)."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def metric_value(samples: dict, name: str, **labels) -> float:
+    return samples.get(("metroserve:" + name, tuple(sorted(labels.items()))), 0.0)
+
+
 class ServeStack:
     def __init__(self, model: Path | str, workers: int = 1, extra_args: list[str] = (), log_path: Path | None = None,
                  env: dict | None = None):
         self.port, self.grpc_port, self.scheduler_port = free_port(), free_port(), free_port()
+        self.metrics_port = free_port()  # the scheduler's; worker i's is this + 1 + i
         self.args = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--workers", str(workers),
                      "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                     "--scheduler-port", str(self.scheduler_port), "--kv-cache-memory", "256MiB", *extra_args]
+                     "--scheduler-port", str(self.scheduler_port), "--metrics-port", str(self.metrics_port),
+                     "--kv-cache-memory", "256MiB", *extra_args]
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -60,6 +79,14 @@ class ServeStack:
         wait_for(lambda: self.proc.poll() is not None or self.healthy(), timeout_s, "the stack to become ready", 0.3)
         assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}; log: {self.log_tail()}"
         return self
+
+    def metrics_url(self, component: str) -> str:
+        """/metrics of "gateway", "scheduler" or "worker-<i>"."""
+        if component == "gateway":
+            return f"http://127.0.0.1:{self.port}/metrics"
+        if component == "scheduler":
+            return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://127.0.0.1:{self.metrics_port + 1 + int(component.rsplit('-', 1)[1])}/metrics"
 
     def healthy(self) -> bool:
         try:

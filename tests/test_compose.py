@@ -80,7 +80,7 @@ def test_compose_commands_returns_each_metroserve_service_argv():
     commands = compose_commands()
     assert set(commands) == SUBCOMMANDS
     assert commands["scheduler"] == ["scheduler", "--host", "0.0.0.0", "--port", "50051",
-                                     "--kvstore", "redis://redis:6379/0"]
+                                     "--kvstore", "redis://redis:6379/0", "--metrics-port", "9090"]
     assert commands["worker"][:3] == ["worker", "--scheduler", "scheduler:50051"]
     assert all(isinstance(arg, str) for argv in commands.values() for arg in argv)
 

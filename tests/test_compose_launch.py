@@ -16,11 +16,12 @@ import pytest
 import redis
 
 from tests.redis_server import RedisServer
-from tests.stack import ROOT, free_port, wait_for
+from tests.stack import ROOT, free_port, metric_value as value, scrape_metrics as scrape, wait_for
 from tests.test_compose import COMPOSE_FILE, _load, compose_commands
 
 START_ORDER = ("scheduler", "worker", "gateway")
-COMPOSE_PORTS = {"scheduler": "50051", "worker_health": "8081", "gateway": "8000", "gateway_grpc": "50052"}
+COMPOSE_PORTS = {"scheduler": "50051", "worker_health": "8081", "gateway": "8000", "gateway_grpc": "50052",
+                 "scheduler_metrics": "9090", "worker_metrics": "9100"}
 
 
 def _replace_flag(argv: list[str], flag: str, old: str, new: str) -> list[str]:
@@ -40,9 +41,12 @@ def local_commands(model: Path, redis_port: int, ports: dict[str, int]) -> dict[
             argv = _replace_flag(argv, "--host", "0.0.0.0", "127.0.0.1")
         if name == "scheduler":
             argv = _replace_flag(argv, "--port", COMPOSE_PORTS["scheduler"], str(ports["scheduler"]))
+            argv = _replace_flag(argv, "--metrics-port", COMPOSE_PORTS["scheduler_metrics"],
+                                 str(ports["scheduler_metrics"]))
         elif name == "worker":
             argv = _replace_flag(argv, "--device", "cuda", "cpu")
             argv = _replace_flag(argv, "--health-port", COMPOSE_PORTS["worker_health"], str(ports["worker_health"]))
+            argv = _replace_flag(argv, "--metrics-port", COMPOSE_PORTS["worker_metrics"], str(ports["worker_metrics"]))
             argv += ["--model", str(model), "--kv-cache-memory", "64MiB"]
         elif name == "gateway":
             argv = _replace_flag(argv, "--port", COMPOSE_PORTS["gateway"], str(ports["gateway"]))
@@ -139,6 +143,16 @@ def test_compose_commands_run_as_local_processes(tiny_model_dir, tmp_path):
                 assert result.returncode == 0, f"{name} healthcheck {argv}: {result.stderr}"
             assert any(str(ports["scheduler"]) in a for a in local_healthcheck(services["scheduler"]["healthcheck"]
                                                                                 ["test"], port_map))
+
+            # Each service's /metrics on the port compose gives it counts the completion.
+            worker_metrics = scrape(f"http://127.0.0.1:{ports['worker_metrics']}/metrics")
+            assert value(worker_metrics, "generation_tokens_total") == 8
+            assert value(worker_metrics, "request_success_total", finished_reason="length") == 1
+            scheduler_metrics = scrape(f"http://127.0.0.1:{ports['scheduler_metrics']}/metrics")
+            assert sum(v for (name, _), v in scheduler_metrics.items()
+                       if name == "metroserve:scheduler_placements_total") == 1
+            gateway_metrics = scrape(f"http://127.0.0.1:{ports['gateway']}/metrics")
+            assert value(gateway_metrics, "gateway_requests_total", route="/v1/chat/completions", status="200") == 1
 
             # The scheduler wrote the worker's prefix blocks to Redis (batched in the background).
             worker_id = f"{socket.gethostname()}-{procs['worker'].pid}"  # the worker's default --worker-id

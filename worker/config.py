@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0
     # JSON string or dict, see worker.spec_decode.config.SpeculativeConfig; None: no speculation.
     speculative_config: str | dict | None = None
+    disable_log_stats: bool = False  # no per-step metrics (the worker then serves no /metrics)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -89,6 +90,8 @@ class EngineConfig:
                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH}\'; '
                             "more fields: prompt_lookup_min, disable_by_batch_size, min_acceptance_rate, pause_steps "
                             "(see README)")
+        g.add_argument("--disable-log-stats", action=argparse.BooleanOptionalAction, default=d.disable_log_stats,
+                       help="record no engine metrics (no /metrics on the worker)")
 
     def to_cli_args(self) -> list[str]:
         """The flags that reproduce this config (for launching worker processes)."""

@@ -21,6 +21,7 @@ from worker.block_manager import BlockManager
 from worker.config import EngineConfig, parse_size
 from worker.detokenizer import IncrementalDetokenizer
 from worker.kv_cache import KVCache
+from worker.metrics import EngineMetrics
 from worker.model_files import resolve_model_dir
 from worker.model_loader import load_model, load_tokenizer
 from worker.model_runner import ModelRunner
@@ -99,6 +100,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, attention, sampler, self.device, self.drafter)
         self.speculator = Speculator(spec_config, self.max_model_len) if spec_config is not None else None
         self.requests: dict[str, Request] = {}
+        self.metrics = None if config.disable_log_stats else EngineMetrics()
         self._peak_used_blocks = 0
         self._efficiency_at_peak = 1.0
 
@@ -165,6 +167,7 @@ class LLMEngine:
             seq = request.seqs[0]
             seq.token_ids.extend(resume_token_ids)
             seq.num_emitted_tokens = len(resume_token_ids)
+            request.num_resumed_tokens = len(resume_token_ids)
             if seq.logprobs is not None:  # placeholders, never emitted: keep positions aligned
                 seq.logprobs.extend({} for _ in resume_token_ids)
         self.requests[request_id] = request
@@ -181,6 +184,8 @@ class LLMEngine:
             if not seq.finished:
                 self.batcher.remove(seq)
                 self._finish(seq, "abort")
+        if self.metrics is not None:
+            self.metrics.record_finished(request, time.time())
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -222,19 +227,34 @@ class LLMEngine:
 
         now = time.time()
         touched: dict[str, Request] = {}
+        first_latencies: list[float] = []
+        token_gaps: list[float] = []
+        num_first_prompt = num_generated = 0
         for seq, tokens, logprobs in zip(sample_seqs, out.token_ids, out.logprobs):
             request = seq.request
             touched[request.request_id] = request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
+                first_latencies.append(now - request.arrival_time)
+                num_first_prompt += len(request.prompt_token_ids)
+            elif seq.last_token_time is not None:
+                token_gaps.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            num_before = seq.num_tokens
             if seq.num_lookahead_tokens:
                 self._append_verified(seq, tokens)
             else:
                 self._append_token(seq, tokens[0], logprobs)
+            num_generated += seq.num_tokens - num_before
+        if self.metrics is not None:
+            self.metrics.record_step(sum(batch.num_new_tokens), num_generated, num_first_prompt, first_latencies,
+                                     token_gaps)
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
+                if self.metrics is not None:
+                    self.metrics.record_finished(request, now)
         return list(touched.values())
 
     def _append_verified(self, seq: Sequence, tokens: list[int]) -> None:

@@ -55,6 +55,7 @@ class Sequence:
         self.detokenizer = None  # set by the engine when it returns text
         self.num_emitted_tokens = 0  # tokens already handed to a streaming consumer
         self.num_emitted_chars = 0
+        self.last_token_time: float | None = None  # for the inter-token latency metric
         # Speculative decoding (worker.spec_decode): this step's drafts, which are not in token_ids
         # until verified; the number of positions scheduled for them; the draft model's
         # distributions for sampled rows; recent acceptance and a pause after poor acceptance.
@@ -113,6 +114,7 @@ class Request:
     cache_salt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
+    num_resumed_tokens: int = 0  # output produced on another worker before a migration
     aborted: bool = False
     metrics: RequestMetrics = field(init=False)
 

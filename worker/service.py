@@ -11,6 +11,10 @@ SIGTERM drains: readiness goes off, the scheduler stops placing here, running se
 (or, after --drain-timeout, are handed back for the scheduler to move), then the process exits.
 If the stream breaks, every placement is dropped (the scheduler moves them) and the worker dials
 again, reporting the blocks it still holds so the prefix index recovers.
+
+--metrics-port serves the engine's Prometheus metrics (worker/metrics.py). With tracing on, a
+placement's spans (worker.request and its queue / prefill / decode phases) are recorded when it
+finishes, from the engine's timestamps, under the scheduler span named in its Assignment.
 """
 
 from __future__ import annotations
@@ -27,11 +31,17 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+from prometheus_client import CollectorRegistry
 
 from metroserve_rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
 from metroserve_rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
+from services.metrics_http import start_metrics_server
+from services.tracing import extract_context, ns, tracer
 from worker.async_engine import AsyncEngine, EngineDeadError
 from worker.config import EngineConfig
+from worker.metrics import EngineCollector
 from worker.model_files import served_model_name
 from worker.outputs import RequestOutput
 
@@ -42,12 +52,19 @@ SEND_WAIT_S = 1.0
 
 
 @dataclass
+class TracedPlacement:
+    parent: Context  # the scheduler's span for the request
+    completion_tokens: int = 0
+
+
+@dataclass
 class WorkerOptions:
     scheduler: str  # host:port
     worker_id: str
     health_port: int = 0  # 0: no health server
     drain_timeout_s: float = 30.0
     served_model_name: str | None = None
+    metrics_port: int = 0  # 0: no /metrics
 
 
 class WorkerService:
@@ -75,6 +92,8 @@ class WorkerService:
         self._queued_version = 0  # step outputs queued so far ...
         self._sent_version = 0  # ... and how many of them have been handed to gRPC
         self._connected = False  # a stream to the scheduler is open
+        self.tracer = tracer("metroserve.worker")
+        self._traced: dict[str, TracedPlacement] = {}  # placement id -> its trace, while tracing is on
 
     # -- StepSink: called on the event loop after every engine step ------------------------
 
@@ -94,6 +113,8 @@ class WorkerService:
             if seqs:
                 self._outputs.append(cluster_pb2.PlacementOutput(
                     placement_id=out.request_id, num_cached_tokens=out.num_cached_tokens, seqs=seqs))
+            if self._traced:
+                self._trace_output(out)
             if out.finished:
                 self._discard(out.request_id)
         stored, removed = self.engine.engine.block_manager.take_events()
@@ -114,8 +135,36 @@ class WorkerService:
             except asyncio.TimeoutError:
                 return
 
+    def _trace_output(self, out: RequestOutput) -> None:
+        """Count a traced placement's tokens; when it ends, record its spans (times from the engine)."""
+        traced = self._traced.get(out.request_id)
+        if traced is None:
+            return
+        traced.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if not out.finished:
+            return
+        del self._traced[out.request_id]
+        m, end = out.metrics, time.time()
+        attributes = {"metroserve.worker": self.options.worker_id, "gen_ai.request.model": self.model_name,
+                      "metroserve.placement_id": out.request_id,
+                      "gen_ai.usage.input_tokens": len(out.prompt_token_ids),
+                      "gen_ai.usage.output_tokens": traced.completion_tokens,
+                      "metroserve.cached_tokens": out.num_cached_tokens,
+                      "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in out.outputs]}
+        span = self.tracer.start_span("worker.request", context=traced.parent, start_time=ns(m.arrival_time),
+                                      attributes=attributes)
+        child = trace.set_span_in_context(span)
+        phases = (("worker.queue", m.arrival_time, m.first_scheduled_time),
+                  ("worker.prefill", m.first_scheduled_time, m.first_token_time),
+                  ("worker.decode", m.first_token_time, end))
+        for name, start, stop in phases:
+            if start is not None and stop is not None:
+                self.tracer.start_span(name, context=child, start_time=ns(start)).end(end_time=ns(stop))
+        span.end(end_time=ns(end))
+
     def _discard(self, placement_id: str) -> None:
         self.active.discard(placement_id)
+        self._traced.pop(placement_id, None)
         if not self.active:
             self._idle.set()
 
@@ -183,6 +232,8 @@ class WorkerService:
                 continue
             self.active.add(a.placement_id)
             self._idle.clear()
+            if self.tracer is not None and a.trace_context:
+                self._traced[a.placement_id] = TracedPlacement(extract_context(dict(a.trace_context)))
 
     async def _session(self) -> None:
         """One connection to the scheduler, until the stream ends or the worker stops."""
@@ -241,7 +292,12 @@ class WorkerService:
             self._stop.set()
 
     async def run(self) -> None:
-        server = None
+        server = metrics = None
+        if self.options.metrics_port and self.engine.engine.metrics is not None:
+            registry = CollectorRegistry()
+            registry.register(EngineCollector(self.engine.engine, {"model_name": self.model_name}))
+            metrics = await start_metrics_server(registry, "0.0.0.0", self.options.metrics_port,
+                                                 f"worker {self.options.worker_id}")
         if self.options.health_port:
             server = grpc.aio.server()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -258,5 +314,7 @@ class WorkerService:
             await self.engine.shutdown()
             if server is not None:
                 await server.stop(0.5)
+            if metrics is not None:
+                await metrics.cleanup()
         if self._dead is not None:
             raise SystemExit(f"worker {self.options.worker_id}: {self._dead}")

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from metroserve_rpc import generation_pb2 as metroserve__rpc_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmetroserve_rpc/cluster.proto\x12\rmetroserve.v1\x1a\x1fmetroserve_rpc/generation.proto\"x\n\rRequestLimits\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\"\x84\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12,\n\x06limits\x18\x04 \x01(\x0b\x32\x1c.metroserve.v1.RequestLimits\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x0c\n\x04host\x18\x06 \x01(\t\"\xbb\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\"n\n\x0fPlacementOutput\x12\x14\n\x0cplacement_id\x18\x01 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12*\n\x04seqs\x18\x03 \x03(\x0b\x32\x1c.metroserve.v1.SequenceDelta\"2\n\tRejection\x12\x14\n\x0cplacement_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x02\n\rWorkerMessage\x12)\n\x08register\x18\x01 \x01(\x0b\x32\x17.metroserve.v1.Register\x12/\n\x07outputs\x18\x02 \x03(\x0b\x32\x1e.metroserve.v1.PlacementOutput\x12*\n\x08rejected\x18\x03 \x03(\x0b\x32\x18.metroserve.v1.Rejection\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.metroserve.v1.LoadReport\x12\x15\n\rblocks_stored\x18\x05 \x03(\x0c\x12\x16\n\x0e\x62locks_removed\x18\x06 \x03(\x0c\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x13\n\x0bhanded_back\x18\x08 \x03(\t\"\xab\x01\n\nAssignment\x12\x14\n\x0cplacement_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10resume_token_ids\x18\x03 \x03(\x05\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.metroserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"j\n\x10SchedulerMessage\x12)\n\x06\x61ssign\x18\x01 \x03(\x0b\x32\x19.metroserve.v1.Assignment\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"\x16\n\x14\x43lusterStatusRequest\"\xb4\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x12\n\nnum_placed\x18\x06 \x01(\x05\x12\'\n\x04load\x18\x07 \x01(\x0b\x32\x19.metroserve.v1.LoadReport\x12\x18\n\x10num_index_blocks\x18\x08 \x01(\x03\"\xd1\x02\n\rClusterStatus\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.metroserve.v1.WorkerStatus\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\x05\x12\x1b\n\x13num_active_requests\x18\x03 \x01(\x05\x12\x16\n\x0enum_migrations\x18\x04 \x01(\x03\x12\x14\n\x0cnum_rejected\x18\x05 \x01(\x03\x12R\n\x14placements_by_worker\x18\x06 \x03(\x0b\x32\x34.metroserve.v1.ClusterStatus.PlacementsByWorkerEntry\x12#\n\x1bplacement_prefix_hit_tokens\x18\x07 \x01(\x03\x1a\x39\n\x17PlacementsByWorkerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32Y\n\tWorkerHub\x12L\n\x07\x43onnect\x12\x1c.metroserve.v1.WorkerMessage\x1a\x1f.metroserve.v1.SchedulerMessage(\x01\x30\x01\x32Y\n\x07\x43luster\x12N\n\tGetStatus\x12#.metroserve.v1.ClusterStatusRequest\x1a\x1c.metroserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmetroserve_rpc/cluster.proto\x12\rmetroserve.v1\x1a\x1fmetroserve_rpc/generation.proto\"x\n\rRequestLimits\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\"\x84\x01\n\x08Register\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12,\n\x06limits\x18\x04 \x01(\x0b\x32\x1c.metroserve.v1.RequestLimits\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x0c\n\x04host\x18\x06 \x01(\t\"\xbb\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\"n\n\x0fPlacementOutput\x12\x14\n\x0cplacement_id\x18\x01 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12*\n\x04seqs\x18\x03 \x03(\x0b\x32\x1c.metroserve.v1.SequenceDelta\"2\n\tRejection\x12\x14\n\x0cplacement_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x02\n\rWorkerMessage\x12)\n\x08register\x18\x01 \x01(\x0b\x32\x17.metroserve.v1.Register\x12/\n\x07outputs\x18\x02 \x03(\x0b\x32\x1e.metroserve.v1.PlacementOutput\x12*\n\x08rejected\x18\x03 \x03(\x0b\x32\x18.metroserve.v1.Rejection\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.metroserve.v1.LoadReport\x12\x15\n\rblocks_stored\x18\x05 \x03(\x0c\x12\x16\n\x0e\x62locks_removed\x18\x06 \x03(\x0c\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x13\n\x0bhanded_back\x18\x08 \x03(\t\"\xa4\x02\n\nAssignment\x12\x14\n\x0cplacement_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10resume_token_ids\x18\x03 \x03(\x05\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.metroserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x42\n\rtrace_context\x18\x07 \x03(\x0b\x32+.metroserve.v1.Assignment.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\x10SchedulerMessage\x12)\n\x06\x61ssign\x18\x01 \x03(\x0b\x32\x19.metroserve.v1.Assignment\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"\x16\n\x14\x43lusterStatusRequest\"\xb4\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x12\n\nnum_placed\x18\x06 \x01(\x05\x12\'\n\x04load\x18\x07 \x01(\x0b\x32\x19.metroserve.v1.LoadReport\x12\x18\n\x10num_index_blocks\x18\x08 \x01(\x03\"\xd1\x02\n\rClusterStatus\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.metroserve.v1.WorkerStatus\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\x05\x12\x1b\n\x13num_active_requests\x18\x03 \x01(\x05\x12\x16\n\x0enum_migrations\x18\x04 \x01(\x03\x12\x14\n\x0cnum_rejected\x18\x05 \x01(\x03\x12R\n\x14placements_by_worker\x18\x06 \x03(\x0b\x32\x34.metroserve.v1.ClusterStatus.PlacementsByWorkerEntry\x12#\n\x1bplacement_prefix_hit_tokens\x18\x07 \x01(\x03\x1a\x39\n\x17PlacementsByWorkerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32Y\n\tWorkerHub\x12L\n\x07\x43onnect\x12\x1c.metroserve.v1.WorkerMessage\x1a\x1f.metroserve.v1.SchedulerMessage(\x01\x30\x01\x32Y\n\x07\x43luster\x12N\n\tGetStatus\x12#.metroserve.v1.ClusterStatusRequest\x1a\x1c.metroserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'metroserve_rpc.cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ASSIGNMENT_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_ASSIGNMENT_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_CLUSTERSTATUS_PLACEMENTSBYWORKERENTRY']._loaded_options = None
   _globals['_CLUSTERSTATUS_PLACEMENTSBYWORKERENTRY']._serialized_options = b'8\001'
   _globals['_REQUESTLIMITS']._serialized_start=80
@@ -47,19 +49,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERMESSAGE']._serialized_start=692
   _globals['_WORKERMESSAGE']._serialized_end=970
   _globals['_ASSIGNMENT']._serialized_start=973
-  _globals['_ASSIGNMENT']._serialized_end=1144
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1146
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1252
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1254
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1276
-  _globals['_WORKERSTATUS']._serialized_start=1279
-  _globals['_WORKERSTATUS']._serialized_end=1459
-  _globals['_CLUSTERSTATUS']._serialized_start=1462
-  _globals['_CLUSTERSTATUS']._serialized_end=1799
-  _globals['_CLUSTERSTATUS_PLACEMENTSBYWORKERENTRY']._serialized_start=1742
-  _globals['_CLUSTERSTATUS_PLACEMENTSBYWORKERENTRY']._serialized_end=1799
-  _globals['_WORKERHUB']._serialized_start=1801
-  _globals['_WORKERHUB']._serialized_end=1890
-  _globals['_CLUSTER']._serialized_start=1892
-  _globals['_CLUSTER']._serialized_end=1981
+  _globals['_ASSIGNMENT']._serialized_end=1265
+  _globals['_ASSIGNMENT_TRACECONTEXTENTRY']._serialized_start=1214
+  _globals['_ASSIGNMENT_TRACECONTEXTENTRY']._serialized_end=1265
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1267
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1373
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1375
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1397
+  _globals['_WORKERSTATUS']._serialized_start=1400
+  _globals['_WORKERSTATUS']._serialized_end=1580
+  _globals['_CLUSTERSTATUS']._serialized_start=1583
+  _globals['_CLUSTERSTATUS']._serialized_end=1920
+  _globals['_CLUSTERSTATUS_PLACEMENTSBYWORKERENTRY']._serialized_start=1863
+  _globals['_CLUSTERSTATUS_PLACEMENTSBYWORKERENTRY']._serialized_end=1920
+  _globals['_WORKERHUB']._serialized_start=1922
+  _globals['_WORKERHUB']._serialized_end=2011
+  _globals['_CLUSTER']._serialized_start=2013
+  _globals['_CLUSTER']._serialized_end=2102
 # @@protoc_insertion_point(module_scope)

@@ -94,20 +94,29 @@ class WorkerMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[PlacementOutput, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., blocks_stored: _Optional[_Iterable[bytes]] = ..., blocks_removed: _Optional[_Iterable[bytes]] = ..., draining: _Optional[bool] = ..., handed_back: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("placement_id", "prompt_token_ids", "resume_token_ids", "params", "priority", "cache_salt")
+    __slots__ = ("placement_id", "prompt_token_ids", "resume_token_ids", "params", "priority", "cache_salt", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     placement_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.SamplingParams
     priority: int
     cache_salt: str
-    def __init__(self, placement_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, placement_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("assign", "abort", "heartbeat_interval_s")

@@ -1,0 +1,171 @@
+"""What observability costs: throughput with metrics, request logs and tracing on vs all off.
+
+Two `metroserve serve` stacks run side by side on loopback, one with everything on (engine
+metrics, a scraper reading the gateway's, scheduler's and worker's /metrics every
+--scrape-interval seconds while that stack is measured, one JSON log line per request written to
+a file, OTLP tracing to a sink in this process that accepts and counts the spans) and one with
+everything off (--disable-log-stats, --disable-log-requests, no OTLP endpoint, no scraping). The
+same streamed requests go to each in turn; rounds alternate which stack goes first, because this
+machine is noisy, and the report gives every run, the medians and their ratio.
+
+    metroserve bench observability --num-requests 64 --max-tokens 64 --concurrency 32 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve_overhead import _wait_healthy, run_served
+from benchmarks.workload import build_chat_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--concurrency", type=int, default=32, help="client streams; also the engine's max_num_seqs")
+    parser.add_argument("--rounds", type=int, default=5, help="on/off pairs, interleaved")
+    parser.add_argument("--scrape-interval", type=float, default=1.0,
+                        help="seconds between scrapes of every /metrics (Prometheus' default is 15)")
+    parser.add_argument("--port", type=int, default=18500, help="first of ten loopback ports for the two stacks")
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--json-out", type=Path, default=None)
+
+
+class SpanSink:
+    """An OTLP/HTTP endpoint that accepts trace exports and counts them (a stand-in collector)."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.exports = 0
+        self.bytes = 0
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        async def traces(request: web.Request) -> web.Response:
+            self.bytes += len(await request.read())
+            self.exports += 1
+            return web.Response(body=b"", content_type="application/x-protobuf")
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/traces", traces)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+
+
+class Scraper:
+    """Reads each /metrics every interval while running, as a Prometheus server would."""
+
+    def __init__(self, urls: list[str], interval_s: float):
+        self.urls, self.interval_s = urls, interval_s
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for url in self.urls:
+                with urllib.request.urlopen(url, timeout=10) as reply:
+                    reply.read()
+                self.scrapes += 1
+
+    def __enter__(self) -> "Scraper":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _start_stack(model_dir: Path, port: int, args: argparse.Namespace, on: bool, sink_port: int,
+                 log_path: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
+            "--port", str(port), "--grpc-port", str(port + 1), "--scheduler-port", str(port + 2),
+            "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
+            "--no-enable-prefix-caching"]
+    if on:
+        argv += ["--metrics-port", str(port + 3), "--otlp-endpoint", f"http://127.0.0.1:{sink_port}"]
+    else:
+        argv += ["--metrics-port", "0", "--disable-log-stats", "--disable-log-requests"]
+    log = open(log_path, "wb")
+    # Spans leave in batches every 0.5 s, so the sink sees them during the run, not at exit.
+    env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "500"}
+    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from worker.model_files import resolve_model_dir
+    from worker.model_loader import load_tokenizer
+
+    model_dir = resolve_model_dir(args.model)
+    prompts = build_chat_workload(load_tokenizer(model_dir), num_requests=args.num_requests)
+    sink = SpanSink(args.port + 9)
+    logs = Path(tempfile.mkdtemp(prefix="metroserve-obs-"))
+    ports = {"on": args.port, "off": args.port + 5}
+    stacks = {mode: _start_stack(model_dir, ports[mode], args, mode == "on", sink.port, logs / f"{mode}.log")
+              for mode in ("on", "off")}
+    on_port = ports["on"]
+    scraper = Scraper([f"http://127.0.0.1:{on_port}/metrics", f"http://127.0.0.1:{on_port + 3}/metrics",
+                       f"http://127.0.0.1:{on_port + 4}/metrics"], args.scrape_interval)
+    runs: list[dict[str, Any]] = []
+    try:
+        for mode, proc in stacks.items():
+            _wait_healthy(f"http://127.0.0.1:{ports[mode]}/health", proc)
+            # Warm-up: a CPU engine's first steps at new batch shapes are much slower.
+            asyncio.run(run_served(f"http://127.0.0.1:{ports[mode]}/v1", "bench", prompts[: args.concurrency], 16,
+                                   args.concurrency))
+        for round_index in range(args.rounds):
+            for mode in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
+                url = f"http://127.0.0.1:{ports[mode]}/v1"
+                if mode == "on":
+                    with scraper:
+                        seconds, tokens = asyncio.run(run_served(url, "bench", prompts, args.max_tokens,
+                                                                 args.concurrency))
+                else:
+                    seconds, tokens = asyncio.run(run_served(url, "bench", prompts, args.max_tokens, args.concurrency))
+                runs.append({"round": round_index, "mode": mode, "seconds": seconds, "output_tokens": tokens,
+                             "tokens_per_s": tokens / seconds})
+                print(f"round {round_index} {mode:3s} {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.1f} tok/s",
+                      flush=True)
+        time.sleep(1.0)  # the last spans' batch
+    finally:
+        for proc in stacks.values():
+            proc.terminate()
+        for proc in stacks.values():
+            proc.wait(timeout=120)
+
+    med = {mode: statistics.median(r["tokens_per_s"] for r in runs if r["mode"] == mode) for mode in ("on", "off")}
+    log_lines = sum(1 for line in (logs / "on.log").read_text(errors="replace").splitlines()
+                    if "metroserve.requests:" in line)
+    report = {"model_dir": str(model_dir), "num_requests": len(prompts), "max_tokens": args.max_tokens,
+              "concurrency": args.concurrency, "rounds": args.rounds, "scrape_interval_s": args.scrape_interval,
+              "runs": runs, "median_tokens_per_s": med, "on_over_off": med["on"] / med["off"],
+              "evidence_on": {"scrapes": scraper.scrapes, "span_exports": sink.exports, "span_bytes": sink.bytes,
+                              "request_log_lines": log_lines}}
+    print(f"\nmedian tok/s: on {med['on']:.1f}, off {med['off']:.1f}; on/off = {report['on_over_off']:.3f} "
+          f"({scraper.scrapes} scrapes, {sink.exports} span exports = {sink.bytes} bytes, {log_lines} log lines)")
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
