@@ -159,12 +159,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     med = {mode: statistics.median(r["tokens_per_s"] for r in runs if r["mode"] == mode) for mode in ("on", "off")}
     log_lines = sum(1 for line in (logs / "on.log").read_text(errors="replace").splitlines()
                     if "metroserve.requests:" in line)
+    # Each round's own on/off ratio too: the machine's speed drifts over minutes, and a round's two
+    # runs are adjacent in time.
+    per_round = [on["tokens_per_s"] / off["tokens_per_s"] for on, off in
+                 zip((r for r in runs if r["mode"] == "on"), (r for r in runs if r["mode"] == "off"))]
     report = {"model_dir": str(model_dir), "num_requests": len(prompts), "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "rounds": args.rounds, "scrape_interval_s": args.scrape_interval,
               "runs": runs, "median_tokens_per_s": med, "on_over_off": med["on"] / med["off"],
+              "median_round_ratio": statistics.median(per_round),
               "evidence_on": {"scrapes": scraper.scrapes, "span_exports": sink.exports, "span_bytes": sink.bytes,
                               "request_log_lines": log_lines}}
-    print(f"\nmedian tok/s: on {med['on']:.1f}, off {med['off']:.1f}; on/off = {report['on_over_off']:.3f} "
+    print(f"\nmedian tok/s: on {med['on']:.1f}, off {med['off']:.1f}; on/off = {report['on_over_off']:.3f}, "
+          f"median of the rounds' on/off = {report['median_round_ratio']:.3f} "
           f"({scraper.scrapes} scrapes, {sink.exports} span exports = {sink.bytes} bytes, {log_lines} log lines)")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")

@@ -83,9 +83,12 @@ class RestAPI:
             response = await handler(request)
             status = str(response.status)
             return response
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             status = CLIENT_CLOSED
             raise
+        except ConnectionResetError:  # a stream write found the client gone: normal, not a server error
+            status = CLIENT_CLOSED
+            return web.Response(status=499)  # aiohttp drops it quietly: the transport is closing
         finally:
             self.metrics.record(route, status, time.perf_counter() - start)
 

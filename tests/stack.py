@@ -55,6 +55,7 @@ def metric_value(samples: dict, name: str, **labels) -> float:
 class ServeStack:
     def __init__(self, model: Path | str, workers: int = 1, extra_args: list[str] = (), log_path: Path | None = None,
                  env: dict | None = None):
+        self.num_workers = workers
         self.port, self.grpc_port, self.scheduler_port = free_port(), free_port(), free_port()
         self.metrics_port = free_port()  # the scheduler's; worker i's is this + 1 + i
         self.args = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--workers", str(workers),
@@ -78,6 +79,9 @@ class ServeStack:
         self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         wait_for(lambda: self.proc.poll() is not None or self.healthy(), timeout_s, "the stack to become ready", 0.3)
         assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}; log: {self.log_tail()}"
+        # /health is up once one worker serves; tests of placement need every worker registered.
+        wait_for(lambda: len(self.cluster_status().workers) == self.num_workers, timeout_s,
+                 f"all {self.num_workers} workers to register", 0.2)
         return self
 
     def metrics_url(self, component: str) -> str:

@@ -69,10 +69,14 @@ def test_prefix_aware_placement(stack):
 
     before = _placements(stack)
     unrelated = [f"{i} " + " ".join(f"w{(i * 7919 + k) % 997}" for k in range(40)) for i in range(20)]
-    _chats(stack, [(None, u) for u in unrelated], 4)
+    replies = _chats(stack, [(None, u) for u in unrelated], 4)
     spread = _placements(stack) - before
     assert sum(spread.values()) == 20
-    assert len(spread) == 2 and min(spread.values()) >= 5, f"unrelated prompts did not spread: {spread}"
+    if not (len(spread) == 2 and min(spread.values()) >= 5):
+        ids = {r.id for r in replies}
+        lines = [line for line in stack.log_tail(10**7).splitlines() if any(i in line for i in ids)]
+        raise AssertionError(f"unrelated prompts did not spread: {spread}; their request log lines (workers, "
+                             f"timings):\n" + "\n".join(lines))
     stack.wait_idle()
 
 
