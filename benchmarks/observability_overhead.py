@@ -27,18 +27,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_overhead import _wait_healthy, run_served
+from benchmarks.serve_overhead import add_workload_arguments, run_served, wait_healthy
 from benchmarks.workload import build_chat_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
-    parser.add_argument("--concurrency", type=int, default=32, help="client streams; also the engine's max_num_seqs")
-    parser.add_argument("--rounds", type=int, default=5, help="on/off pairs, interleaved")
+    add_workload_arguments(parser, 5, "on/off pairs, interleaved")
     parser.add_argument("--scrape-interval", type=float, default=1.0,
                         help="seconds between scrapes of every /metrics (Prometheus' default is 15)")
     parser.add_argument("--port", type=int, default=18500, help="first of ten loopback ports for the two stacks")
@@ -82,11 +78,13 @@ class Scraper:
         self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
             for url in self.urls:
                 with urllib.request.urlopen(url, timeout=10) as reply:
                     reply.read()
                 self.scrapes += 1
+            if self._stop.wait(self.interval_s):
+                return
 
     def __enter__(self) -> "Scraper":
         self._stop.clear()
@@ -132,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     try:
         for mode, proc in stacks.items():
-            _wait_healthy(f"http://127.0.0.1:{ports[mode]}/health", proc)
+            wait_healthy(f"http://127.0.0.1:{ports[mode]}/health", proc)
             # Warm-up: a CPU engine's first steps at new batch shapes are much slower.
             asyncio.run(run_served(f"http://127.0.0.1:{ports[mode]}/v1", "bench", prompts[: args.concurrency], 16,
                                    args.concurrency))

@@ -31,12 +31,17 @@ from benchmarks.workload import build_chat_workload
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser, rounds: int, rounds_help: str) -> None:
+    """The flags of a served chat workload, shared with `bench observability`."""
     parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     parser.add_argument("--concurrency", type=int, default=32, help="client streams; also the engine's max_num_seqs")
-    parser.add_argument("--rounds", type=int, default=3, help="offline/served pairs, interleaved")
+    parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser, 3, "offline/served pairs, interleaved")
     parser.add_argument("--port", type=int, default=18400, help="first of three loopback ports for the stack")
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
@@ -83,7 +88,7 @@ async def run_served(base_url: str, model: str, prompts: list[list[int]], max_to
     return seconds, sum(counts)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{port}/v1"
     runs: list[dict[str, Any]] = []
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/health", serve)
+        wait_healthy(f"http://127.0.0.1:{port}/health", serve)
         asyncio.run(run_served(base_url, "bench", warmup, 16, args.concurrency))
         for round_index in range(args.rounds):
             # Alternate which side goes first, so a drift in machine speed favours neither.

@@ -24,6 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports (serve puts worker i's /metrics at base + 1 + i)."""
+    while True:
+        base = free_port()
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
     """Poll until predicate() is truthy; fail naming `what` at the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -57,7 +70,7 @@ class ServeStack:
                  env: dict | None = None):
         self.num_workers = workers
         self.port, self.grpc_port, self.scheduler_port = free_port(), free_port(), free_port()
-        self.metrics_port = free_port()  # the scheduler's; worker i's is this + 1 + i
+        self.metrics_port = free_port_run(1 + workers)  # the scheduler's; worker i's is this + 1 + i
         self.args = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--workers", str(workers),
                      "--port", str(self.port), "--grpc-port", str(self.grpc_port),
                      "--scheduler-port", str(self.scheduler_port), "--metrics-port", str(self.metrics_port),

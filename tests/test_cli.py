@@ -43,6 +43,22 @@ def test_bench_overhead_runs_both_sides(tiny_model_dir, tmp_path):
     assert report["served_over_offline"] > 0
 
 
+def test_bench_observability_runs_both_stacks_with_the_signals_on_one(tiny_model_dir, tmp_path):
+    from tests.stack import free_port
+
+    out_file = tmp_path / "obs.json"
+    main(["bench", "observability", "--model", str(tiny_model_dir), "--num-requests", "4", "--max-tokens", "8",
+          "--concurrency", "2", "--rounds", "2", "--scrape-interval", "0.05", "--kv-cache-memory", "64MiB",
+          "--port", str(free_port()), "--json-out", str(out_file)])
+    report = json.loads(out_file.read_text())
+    assert [r["mode"] for r in report["runs"]] == ["on", "off", "off", "on"]
+    assert all(r["output_tokens"] == 4 * 8 for r in report["runs"])
+    evidence = report["evidence_on"]
+    assert evidence["request_log_lines"] == 2 + 2 * 4  # warm-up (one per stream) + rounds x requests
+    assert evidence["scrapes"] >= 2 * 3 and evidence["span_exports"] > 0
+    assert report["on_over_off"] > 0 and report["median_round_ratio"] > 0
+
+
 def test_bench_throughput_reports_speculation(tiny_model_dir, tmp_path, capsys):
     out_file = tmp_path / "tp.json"
     main(["bench", "throughput", "--model", str(tiny_model_dir), "--num-requests", "4", "--max-tokens", "8",

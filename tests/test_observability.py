@@ -238,7 +238,10 @@ def test_serve_exports_one_trace_per_request_from_three_processes(tiny_model_dir
                 services = {s for s, _, _ in sink.spans}
                 return services >= {"metroserve-gateway", "metroserve-scheduler", "metroserve-worker"} and \
                     len({s for _, name, s in sink.spans if name == "worker.decode"}) == 1
-            wait_for(one_trace_from_every_service, 20, "spans from gateway, scheduler and worker")
+            try:
+                wait_for(one_trace_from_every_service, 20, "spans from gateway, scheduler and worker")
+            except AssertionError as e:
+                raise AssertionError(f"{e}; received {sink.spans}; serve log: {stack.log_tail()}") from None
             request_traces = {t for _, name, t in sink.spans if name in ("POST /v1/completions", "worker.decode")}
             assert len(request_traces) == 1, sink.spans
             trace_id = request_traces.pop()
