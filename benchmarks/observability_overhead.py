@@ -43,29 +43,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class SpanSink:
-    """An OTLP/HTTP endpoint that accepts trace exports and counts them (a stand-in collector)."""
+    """An OTLP/HTTP trace endpoint on loopback (a stand-in collector): accepts exports and keeps, for
+    each span, (service.name, span name, trace id). Port 0 picks a free one."""
 
-    def __init__(self, port: int):
-        self.port = port
+    def __init__(self, port: int = 0):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
         self.exports = 0
         self.bytes = 0
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        self.spans: list[tuple[str, str, str]] = []
+        sink = self
 
-    async def _start(self) -> None:
-        from aiohttp import web
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                spans = []
+                for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+                    service = next((a.value.string_value for a in resource_spans.resource.attributes
+                                    if a.key == "service.name"), "")
+                    spans += [(service, s.name, s.trace_id.hex()) for scope in resource_spans.scope_spans
+                              for s in scope.spans]
+                sink.spans += spans
+                sink.exports += 1
+                sink.bytes += len(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
-        async def traces(request: web.Request) -> web.Response:
-            self.bytes += len(await request.read())
-            self.exports += 1
-            return web.Response(body=b"", content_type="application/x-protobuf")
+            def log_message(self, *args):
+                pass
 
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/traces", traces)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 class Scraper:
@@ -97,14 +114,14 @@ class Scraper:
         self._thread.join()
 
 
-def _start_stack(model_dir: Path, port: int, args: argparse.Namespace, on: bool, sink_port: int,
+def _start_stack(model_dir: Path, port: int, args: argparse.Namespace, on: bool, sink_url: str,
                  log_path: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
             "--port", str(port), "--grpc-port", str(port + 1), "--scheduler-port", str(port + 2),
             "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
             "--no-enable-prefix-caching"]
     if on:
-        argv += ["--metrics-port", str(port + 3), "--otlp-endpoint", f"http://127.0.0.1:{sink_port}"]
+        argv += ["--metrics-port", str(port + 3), "--otlp-endpoint", sink_url]
     else:
         argv += ["--metrics-port", "0", "--disable-log-stats", "--disable-log-requests"]
     log = open(log_path, "wb")
@@ -122,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sink = SpanSink(args.port + 9)
     logs = Path(tempfile.mkdtemp(prefix="metroserve-obs-"))
     ports = {"on": args.port, "off": args.port + 5}
-    stacks = {mode: _start_stack(model_dir, ports[mode], args, mode == "on", sink.port, logs / f"{mode}.log")
+    stacks = {mode: _start_stack(model_dir, ports[mode], args, mode == "on", sink.url, logs / f"{mode}.log")
               for mode in ("on", "off")}
     on_port = ports["on"]
     scraper = Scraper([f"http://127.0.0.1:{on_port}/metrics", f"http://127.0.0.1:{on_port + 3}/metrics",

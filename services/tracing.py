@@ -47,10 +47,9 @@ def configure_tracing(service_name: str, otlp_endpoint: str | None = None) -> bo
 
 
 def tracer(name: str) -> trace.Tracer | None:
-    """The tracer for a service, or None while no SDK provider is installed (tracing off)."""
-    from opentelemetry.sdk.trace import TracerProvider
-
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+    """The tracer for a service, or None while no provider is installed (tracing off). Checked with the
+    API's own classes, so a process with tracing off never imports the SDK."""
+    if isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return None
     return trace.get_tracer(name)
 

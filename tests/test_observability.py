@@ -186,47 +186,12 @@ def test_engine_collector_reports_speculation_and_respects_disable_log_stats(tin
     assert "metroserve:num_requests_running" in names and "metroserve:generation_tokens_total" not in names
 
 
-class OtlpSink:
-    """An OTLP/HTTP trace endpoint on loopback that keeps what it receives (a stand-in collector)."""
-
-    def __init__(self):
-        import http.server
-        import threading
-
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.spans: list[tuple[str, str, str]] = []  # (service.name, span name, trace id)
-        sink = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                export = ExportTraceServiceRequest.FromString(body)
-                for resource_spans in export.resource_spans:
-                    service = next(a.value.string_value for a in resource_spans.resource.attributes
-                                   if a.key == "service.name")
-                    for scope in resource_spans.scope_spans:
-                        sink.spans += [(service, s.name, s.trace_id.hex()) for s in scope.spans]
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-
-
 def test_serve_exports_one_trace_per_request_from_three_processes(tiny_model_dir, tmp_path):
     """The deployed path: --otlp-endpoint on serve reaches each process, and the context crosses
     the gateway -> scheduler metadata and the scheduler -> worker stream."""
-    sink = OtlpSink()
+    from benchmarks.observability_overhead import SpanSink
+
+    sink = SpanSink()
     try:
         with ServeStack(tiny_model_dir, log_path=tmp_path / "serve.log", extra_args=["--otlp-endpoint", sink.url],
                         env={"OTEL_BSP_SCHEDULE_DELAY": "100"}) as stack:
