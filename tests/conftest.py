@@ -15,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. triton.jit reads this
+# when a kernel is defined, so it is set before any test imports worker.triton_attention.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.reference import HFReference  # noqa: E402
 
 TINY_CHAT_TEMPLATE = (

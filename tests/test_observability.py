@@ -199,22 +199,28 @@ def test_serve_exports_one_trace_per_request_from_three_processes(tiny_model_dir
             model = client.models.list().data[0].id
             client.completions.create(model=model, prompt=[3, 4, 5, 6], max_tokens=4, extra_body={"ignore_eos": True})
 
-            def one_trace_from_every_service():
-                services = {s for s, _, _ in sink.spans}
-                return services >= {"metroserve-gateway", "metroserve-scheduler", "metroserve-worker"} and \
-                    len({s for _, name, s in sink.spans if name == "worker.decode"}) == 1
+            expected = {("metroserve-gateway", "POST /v1/completions"),
+                        ("metroserve-scheduler", "scheduler.request"), ("metroserve-scheduler", "scheduler.queue"),
+                        ("metroserve-worker", "worker.request"), ("metroserve-worker", "worker.prefill"),
+                        ("metroserve-worker", "worker.decode")}
+
+            def names_by_trace():
+                traces = {}
+                for service, name, trace in sink.spans:
+                    traces.setdefault(trace, set()).add((service, name))
+                return traces
+
+            # Each process exports in its own batches, so spans of one trace arrive at different times:
+            # wait for the whole set rather than for the first span of each service.
             try:
-                wait_for(one_trace_from_every_service, 20, "spans from gateway, scheduler and worker")
+                wait_for(lambda: any(names >= expected for names in names_by_trace().values()), 20,
+                         "every span of the request under one trace id")
             except AssertionError as e:
                 raise AssertionError(f"{e}; received {sink.spans}; serve log: {stack.log_tail()}") from None
             request_traces = {t for _, name, t in sink.spans if name in ("POST /v1/completions", "worker.decode")}
             assert len(request_traces) == 1, sink.spans
             trace_id = request_traces.pop()
-            names = {(service, name) for service, name, t in sink.spans if t == trace_id}
-            assert names >= {("metroserve-gateway", "POST /v1/completions"),
-                             ("metroserve-scheduler", "scheduler.request"), ("metroserve-scheduler", "scheduler.queue"),
-                             ("metroserve-worker", "worker.request"), ("metroserve-worker", "worker.prefill"),
-                             ("metroserve-worker", "worker.decode")}
+            assert names_by_trace()[trace_id] >= expected
             log = stack.log_tail(10**7)
             assert f'"trace_id": "{trace_id}"' in log  # the request's log line names its trace
     finally:

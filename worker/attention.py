@@ -2,12 +2,14 @@
 
 The model runner describes a step's flat batch once (BatchLayout); a backend turns that into
 whatever metadata its kernels want (prepare, once per step) and then, per layer, writes the new
-K/V into their slots and attends over each sequence's paged context (forward). The Triton
-backend of the GPU issue implements the same two methods.
+K/V into their slots and attends over each sequence's paged context (forward). Backends: torch
+(here, any device), the compiled CPU kernel (cpu_attention.py) and Triton (triton_attention.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -187,10 +189,18 @@ class TorchAttention:
 
 
 def make_attention_backend(name: str, block_size: int, device: torch.device, dtype: torch.dtype,
-                           head_dim: int, gqa_group: int) -> AttentionBackend:
-    """auto: the compiled CPU kernel for float32 on CPU when it builds and fits the model, else torch."""
+                           num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    """auto: Triton on CUDA; on CPU the compiled kernel for float32 when it builds and fits the model, else torch."""
     from worker.cpu_attention import CpuAttention, load_cpu_kernel
 
+    if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_importable()):
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention backend runs on CUDA; on CPU only in Triton's interpreter "
+                             "(set TRITON_INTERPRET=1: slow, for tests). Choose auto, cpu or torch")
+        from worker.triton_attention import TritonAttention
+
+        return TritonAttention(block_size, num_heads, num_kv_heads, head_dim, dtype)
+    gqa_group = num_heads // num_kv_heads
     if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32 and CpuAttention.supports(head_dim, gqa_group):
         if load_cpu_kernel(required=name == "cpu") is not None:
             return CpuAttention(block_size)
@@ -198,3 +208,7 @@ def make_attention_backend(name: str, block_size: int, device: torch.device, dty
         return TorchAttention(block_size)
     raise ValueError(f"attention backend {name!r} is not available on {device.type} with {dtype}; "
                      "choose auto or torch")
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -37,7 +37,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
-    attention_backend: str = "auto"  # auto: compiled CPU kernel on CPU (float32), torch otherwise
+    attention_backend: str = "auto"  # auto: triton on CUDA, compiled CPU kernel on CPU (float32), else torch
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     seed: int = 0
     # JSON string or dict, see worker.spec_decode.config.SpeculativeConfig; None: no speculation.
     speculative_config: str | dict | None = None
@@ -82,8 +83,11 @@ class EngineConfig:
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                        help="reuse KV blocks of shared prompt prefixes")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch"],
-                       help="paged attention implementation (auto: compiled CPU kernel on CPU, else torch)")
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch", "triton"],
+                       help="paged attention implementation (auto: triton on CUDA, compiled CPU kernel on CPU, "
+                            "else torch; triton on CPU needs TRITON_INTERPRET=1 and is for tests)")
+        g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+                       help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
         g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '

@@ -20,6 +20,7 @@ from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, parse_size
 from worker.detokenizer import IncrementalDetokenizer
+from worker.gpu_memory import kv_budget_bytes, profile_step_peak
 from worker.kv_cache import KVCache
 from worker.metrics import EngineMetrics
 from worker.model_files import resolve_model_dir
@@ -79,11 +80,14 @@ class LLMEngine:
         if spec_config is not None and spec_config.method == "draft_model":
             draft_dtype = _DTYPES[spec_config.draft_dtype] if spec_config.draft_dtype else self.dtype
             # The compiled CPU kernel is float32 only: a draft in another dtype picks its own backend.
-            draft_backend = "torch" if config.attention_backend == "torch" else "auto"
+            draft_backend = config.attention_backend if config.attention_backend in ("torch", "triton") else "auto"
             self.drafter = DraftModelProposer(spec_config.model, self.tokenizer.get_vocab(), draft_dtype, self.device,
                                               draft_backend)
 
         bs = config.block_size
+        attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.num_heads,
+                                           mcfg.num_kv_heads, mcfg.head_dim)
+        self.attention_backend = attention
         num_blocks = config.num_gpu_blocks_override or self._num_blocks_for_budget()
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
@@ -92,12 +96,20 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, record_block_events)
         self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                config.scheduling_policy)
-        attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.head_dim,
-                                           mcfg.num_heads // mcfg.num_kv_heads)
         sampler = Sampler(self.eos_token_ids, self.device, config.seed)
         if self.drafter is not None:
             self.drafter.init_cache(num_blocks, bs, sampler)
-        self.runner = ModelRunner(self.model, self.kv_cache, attention, sampler, self.device, self.drafter)
+        graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            # Imported here: Triton is only needed on CUDA (or in its interpreter, for tests).
+            from worker.cuda_graphs import CudaGraphRunner
+            from worker.triton_attention import TritonAttention
+
+            if isinstance(attention, TritonAttention):
+                graphs = CudaGraphRunner(self.model, self.kv_cache, attention, config.max_num_seqs,
+                                         -(-self.max_model_len // bs), self.device)
+                graphs.capture()
+        self.runner = ModelRunner(self.model, self.kv_cache, attention, sampler, self.device, self.drafter, graphs)
         self.speculator = Speculator(spec_config, self.max_model_len) if spec_config is not None else None
         self.requests: dict[str, Request] = {}
         self.metrics = None if config.disable_log_stats else EngineMetrics()
@@ -123,9 +135,10 @@ class LLMEngine:
         if self.drafter is not None:  # the draft's pool has the same blocks
             per_block += self.drafter.bytes_per_block(self.config.block_size)
         if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            # Weights are loaded; keep a margin for activations of one max-size step.
-            budget = total * self.config.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - 2**30
+            peak = profile_step_peak(self.model, self.attention_backend, self.config.max_num_batched_tokens,
+                                     self.max_model_len, self.config.max_num_seqs, self.config.block_size, self.dtype,
+                                     self.device)
+            budget = kv_budget_bytes(peak, self.config.gpu_memory_utilization, self.device)
         else:
             budget = parse_size(self.config.kv_cache_memory)
         # Blocks beyond what max_num_seqs full-length sequences could hold would never be used.

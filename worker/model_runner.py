@@ -9,6 +9,7 @@ mirror of every target forward into the draft's KV pool) and verifies the drafts
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from worker.sequence import Sequence
 from worker.spec_decode.draft_proposer import DraftModelProposer
 from worker.spec_decode.rejection_sampler import RejectionSampler
 
+if TYPE_CHECKING:
+    from worker.cuda_graphs import CudaGraphRunner
+
 
 @dataclass
 class StepOutput:
@@ -31,13 +35,14 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, attention: AttentionBackend, sampler: Sampler,
-                 device: torch.device, drafter: DraftModelProposer | None = None):
+                 device: torch.device, drafter: DraftModelProposer | None = None, graphs: "CudaGraphRunner | None" = None):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
         self.rejection_sampler = RejectionSampler(sampler)
         self.drafter = drafter
+        self.graphs = graphs  # decode-only steps replay a captured CUDA graph
         self.device = device
         self.block_size = kv_cache.block_size
 
@@ -52,8 +57,10 @@ class ModelRunner:
             if lookahead:
                 self.drafter.propose(lookahead)
         input_ids, positions, layout = self._prepare(batch)
-        metadata = self.attention.prepare(layout)
-        hidden = self.model(input_ids, positions, self.attention, self.kv_cache, metadata)
+        if self.graphs is not None and self.graphs.can_run(layout):
+            hidden = self.graphs.run(input_ids, positions, layout)
+        else:
+            hidden = self.model(input_ids, positions, self.attention, self.kv_cache, self.attention.prepare(layout))
         if self.drafter is not None:
             self.drafter.mirror(input_ids, positions, layout)
         if not sample_seqs:

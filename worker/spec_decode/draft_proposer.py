@@ -46,7 +46,7 @@ class DraftModelProposer:
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 self.dtype, self.device)
         self.attention = make_attention_backend(self.attention_backend, block_size, self.device, self.dtype,
-                                                cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+                                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.sampler = sampler
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> None:

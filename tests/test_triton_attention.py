@@ -1,0 +1,151 @@
+"""The Triton kernels against the torch backend on randomized mixed batches.
+
+Without a GPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1); on a GPU the
+same cases run compiled, in bf16 as well (tests/test_gpu.py)."""
+
+import pytest
+import torch
+
+from tests.test_attention import random_layout
+from tests.test_greedy_vs_hf import check_all, run, tiny_prompts
+from worker import LLM, SamplingParams
+from worker.attention import TorchAttention
+from worker.kv_cache import KVCache
+
+
+def random_batch(rng: torch.Generator, bs: int) -> tuple[list[int], list[int]]:
+    """Decodes and prefill chunks of 1 to 64 tokens, with and without earlier context, in random order."""
+    query_lens, context_lens = [], []
+    for _ in range(int(torch.randint(3, 7, (1,), generator=rng))):
+        kind = int(torch.randint(0, 3, (1,), generator=rng))
+        q_len = 1 if kind == 0 else int(torch.randint(1, 65, (1,), generator=rng))
+        earlier = 0 if kind == 2 else int(torch.randint(0, 6 * bs, (1,), generator=rng))
+        query_lens.append(q_len)
+        context_lens.append(earlier + q_len)
+    return query_lens, context_lens
+
+
+def run_both(layout, num_heads, num_kv_heads, head_dim, bs, num_blocks, dtype, device, rng):
+    from worker.triton_attention import TritonAttention
+
+    torch_cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, dtype, device)
+    torch_cache.k.copy_(torch.randn(torch_cache.k.shape, generator=rng).to(dtype))
+    torch_cache.v.copy_(torch.randn(torch_cache.v.shape, generator=rng).to(dtype))
+    triton_cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, dtype, device)
+    triton_cache.k.copy_(torch_cache.k)
+    triton_cache.v.copy_(torch_cache.v)
+    t = sum(layout.query_lens)
+    q = torch.randn(t, num_heads, head_dim, generator=rng).to(dtype).to(device)
+    # K and V as the model passes them: strided views into one fused projection output.
+    kv = torch.randn(t, 2 * num_kv_heads, head_dim, generator=rng).to(dtype).to(device)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+
+    expected = TorchAttention(bs).forward(0, q, k, v, torch_cache, TorchAttention(bs).prepare(layout))
+    backend = TritonAttention(bs, num_heads, num_kv_heads, head_dim, dtype)
+    got = backend.forward(0, q, k, v, triton_cache, backend.prepare(layout))
+    return expected, got, torch_cache, triton_cache
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_matches_torch_backend(group, head_dim):
+    rng = torch.Generator().manual_seed(100 * group + head_dim)
+    bs, num_blocks, num_kv_heads = 16, 96, 2
+    for _ in range(2):
+        query_lens, context_lens = random_batch(rng, bs)
+        layout = random_layout(rng, num_blocks, bs, query_lens, context_lens)
+        expected, got, torch_cache, triton_cache = run_both(
+            layout, group * num_kv_heads, num_kv_heads, head_dim, bs, num_blocks, torch.float32,
+            torch.device("cpu"), rng)
+        assert torch.equal(triton_cache.k, torch_cache.k) and torch.equal(triton_cache.v, torch_cache.v)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4,
+                                   msg=lambda m: f"query_lens={query_lens} context_lens={context_lens}: {m}")
+
+
+def test_triton_block_size_32_and_block_edges():
+    """Contexts that end exactly on, just before and just after a block edge, with a larger block."""
+    rng = torch.Generator().manual_seed(7)
+    bs = 32
+    layout = random_layout(rng, 64, bs, [1, 1, 1, 32, 64, 33], [32, 31, 33, 64, 96, 33])
+    expected, got, _, _ = run_both(layout, 6, 2, 64, bs, 64, torch.float32, torch.device("cpu"), rng)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_padded_rows_write_and_compute_nothing():
+    """A CUDA-graph batch pads with slot -1 and query length 0: the pool and other rows stay as they were."""
+    from worker.triton_attention import TritonAttention
+
+    rng = torch.Generator().manual_seed(3)
+    bs, num_kv_heads, head_dim = 16, 2, 64
+    layout = random_layout(rng, 32, bs, [1, 1], [5, 20])
+    cache = KVCache(1, 32, bs, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    backend = TritonAttention(bs, 4, num_kv_heads, head_dim, torch.float32)
+    meta = backend.prepare(layout)
+    q = torch.randn(2, 4, head_dim, generator=rng)
+    k = torch.randn(2, num_kv_heads, head_dim, generator=rng)
+    reference = backend.forward(0, q, k, k.clone(), cache, meta)
+    before = cache.k.clone()
+    padded = backend.prepare(layout)
+    padded.slot_mapping = torch.cat([layout.slot_mapping, torch.tensor([-1, -1])])
+    padded.seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32)])
+    padded.query_start = torch.cat([meta.query_start, torch.tensor([2, 2], dtype=torch.int32)])
+    padded.block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables)])
+    padded.tile_seq = torch.arange(4, dtype=torch.int32)
+    padded.tile_start = torch.zeros(4, dtype=torch.int32)
+    q4 = torch.cat([q, torch.randn(2, 4, head_dim, generator=rng)])
+    k4 = torch.cat([k, torch.randn(2, num_kv_heads, head_dim, generator=rng)])
+    out = backend.forward(0, q4, k4, k4.clone(), cache, padded)
+    assert torch.equal(cache.k, before)
+    torch.testing.assert_close(out[:2], reference)
+
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return tiny_prompts(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+
+
+def test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_model_dir, tiny_ref, prompts):
+    """Mixed batch, chunked prefill (16-token budget) and prefix-cache hits, the whole engine on the kernels."""
+    second_wave = [prompts[4][:40] + p for p in prompts[:3]]
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_model_dir), attention_backend=backend, max_num_batched_tokens=16)
+        outputs[backend] = run(llm, prompts) + run(llm, second_wave)
+        assert llm.engine.stats().prefix_cache_hits >= 3 * 32  # the shared 40 tokens hold two full blocks
+    assert outputs["triton"] == outputs["torch"]
+    check_all(tiny_ref, prompts + second_wave, outputs["triton"])
+
+
+def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts):
+    """The CUDA-graph path without a GPU: decode steps padded to the captured sizes, run eagerly."""
+    from worker.cuda_graphs import CudaGraphRunner
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12, 7, 2)]
+    expected = run(LLM(str(tiny_model_dir), attention_backend="triton"), prompts, params)
+    llm = LLM(str(tiny_model_dir), attention_backend="triton", max_num_seqs=8)
+    engine = llm.engine
+    graphs = CudaGraphRunner(engine.model, engine.kv_cache, engine.attention_backend, 8,
+                             -(-engine.max_model_len // 16), engine.device)
+    padded_sizes = []
+    replay = graphs.run
+
+    def counting_run(input_ids, positions, layout):
+        padded_sizes.append(next(s for s in graphs.sizes if s >= len(layout.query_lens)))
+        return replay(input_ids, positions, layout)
+
+    graphs.run = counting_run
+    engine.runner.graphs = graphs
+    assert run(llm, prompts, params) == expected
+    # Six decodes padded to 8, then fewer as requests finish: 5 and 3 are padded too.
+    assert {8, 4} <= set(padded_sizes) and len(padded_sizes) >= 10
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    from worker.attention import make_attention_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        make_attention_backend("triton", 16, torch.device("cpu"), torch.float32, 4, 2, 16)

@@ -1,0 +1,64 @@
+"""How much GPU memory the KV pool may take: the budget minus a profiled worst-case step.
+
+The weights are loaded first. Then one step of the largest size the batcher can schedule
+(max_num_batched_tokens prompt tokens, logits for max_num_seqs rows) runs against a throwaway
+pool, and its peak allocation is what the KV pool must leave free. This is vLLM's method; a fixed
+margin either wastes gigabytes on a large card or runs out on a long-context model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from worker.attention import AttentionBackend, BatchLayout
+from worker.kv_cache import KVCache
+from worker.model import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def profile_step_peak(model: LlamaForCausalLM, attention: AttentionBackend, num_tokens: int, max_model_len: int,
+                      num_sampled: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Peak bytes allocated on the device during one max-size step, not counting its throwaway pool."""
+    cfg = model.cfg
+    # The tokens as prompts of at most max_model_len, each in its own blocks.
+    lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
+    blocks = [-(-n // block_size) for n in lens]
+    pool = KVCache(cfg.num_layers, sum(blocks), block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    pool_bytes = pool.k.numel() * pool.k.element_size() * 2
+    first_block = np.cumsum([0] + blocks[:-1])
+    tables = [list(range(f, f + b)) for f, b in zip(first_block.tolist(), blocks)]
+    table_tensor = torch.zeros((len(lens), max(blocks)), dtype=torch.long)
+    for i, t in enumerate(tables):
+        table_tensor[i, : len(t)] = torch.tensor(t)
+    positions = np.concatenate([np.arange(n) for n in lens])
+    slots = np.concatenate([np.asarray(t)[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
+                            for t, n in zip(tables, lens)])
+    layout = BatchLayout(np.cumsum([0] + lens[:-1]).tolist(), lens, lens, tables, table_tensor.to(device),
+                         torch.from_numpy(slots).to(device))
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), torch.from_numpy(positions).to(device),
+                   attention, pool, attention.prepare(layout))
+    model.compute_logits(hidden[: min(num_sampled, num_tokens)])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - pool_bytes
+    del pool, hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def kv_budget_bytes(peak_bytes: int, gpu_memory_utilization: float, device: torch.device) -> int:
+    """What the pool may use: the card's memory times the utilization, less the profiled peak.
+
+    Memory other processes hold on the card counts against the budget, as it is not ours to use."""
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * gpu_memory_utilization) - peak_bytes - max(0, others)
+    logger.info("GPU memory: %.1f GiB total, %.2f GiB peak step (weights included), %.1f GiB for the KV pool",
+                total / 2**30, peak_bytes / 2**30, budget / 2**30)
+    return budget
