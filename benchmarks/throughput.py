@@ -4,7 +4,7 @@ continuous batching (``generate_batch``), on one chat workload, the same model a
 Every peer gets the same token-id prompts, decodes greedily up to ``--max-tokens`` new tokens and
 stops at the model's EOS. Output tokens are counted the same way for all: the generated tokens up
 to and including the first EOS, capped at ``--max-tokens``. Only generation is timed; model loading
-and a one-request warm-up are not.
+and a one-request warm-up are not. With --device cuda every peer runs on the GPU (bf16 by default).
 
     python benchmarks/throughput.py [--num-requests 64] [--max-tokens 128] [--json-out out.json]
 """
@@ -12,6 +12,7 @@ and a one-request warm-up are not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +37,9 @@ from worker.model_files import resolve_model_dir
 
 PEERS = ("engine", "hf-static", "hf-cb")
 WARMUP_TEXT = "Warm-up request: say hello."
+# transformers renamed block_size to page_size (5.17 has the first, 5.24 the second): the GPU
+# machine's image and our pinned version differ.
+_PAGE_FIELD = next(f.name for f in dataclasses.fields(ContinuousBatchingConfig) if f.name in ("page_size", "block_size"))
 
 
 @dataclass
@@ -85,15 +89,26 @@ def greedy_config(max_tokens: int, eos_ids: list[int], pad_id: int) -> Generatio
     return GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id)
 
 
-def load_hf_model(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """The engine's defaults: CUDA when there is one; float32 on CPU, bfloat16 on CUDA."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    return dev, _DTYPES[dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")]
+
+
+def load_hf_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
-               eos_ids: list[int], speculative_config: str | None = None) -> PeerResult:
+               eos_ids: list[int], device: torch.device, dtype: torch.dtype,
+               speculative_config: str | None = None) -> PeerResult:
     """metroserve's LLM.generate over all prompts at once; reports KV efficiency, prefix-cache hits and,
     with speculative decoding, its draft counters."""
-    llm = LLM(model=model, speculative_config=speculative_config)
+    dtype_name = next(name for name, d in _DTYPES.items() if d == dtype)
+    llm = LLM(model=model, device=device.type, dtype=dtype_name, speculative_config=speculative_config)
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     before = llm.engine.stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -124,9 +139,10 @@ def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], m
 
 
 def run_hf_static(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_tokens: int,
-                  eos_ids: list[int], pad_id: int, batch_size: int) -> PeerResult:
+                  eos_ids: list[int], pad_id: int, batch_size: int, device: torch.device,
+                  dtype: torch.dtype) -> PeerResult:
     """transformers generate on left-padded static batches of batch_size, in request order."""
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir, device, dtype)
     config = greedy_config(max_tokens, eos_ids, pad_id)
 
     def generate(batch: list[list[int]], gen_config: GenerationConfig) -> list[list[int]]:
@@ -136,7 +152,8 @@ def run_hf_static(model_dir: Path, prompts: list[list[int]], warmup: list[int], 
         for row, ids in enumerate(batch):
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             generation_config=gen_config)
         return out[:, width:].tolist()  # drop the (left-padded) prompt columns
 
     generate([warmup], greedy_config(4, eos_ids, pad_id))
@@ -164,14 +181,15 @@ def cb_config(prompts: list[list[int]], max_tokens: int, seed: int) -> Continuou
     engine_defaults = EngineConfig()
     page = engine_defaults.block_size
     num_blocks = sum(math.ceil((len(p) + max_tokens) / page) for p in prompts)
-    return ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks,
+    return ContinuousBatchingConfig(**{_PAGE_FIELD: page}, num_blocks=num_blocks,
                                     max_batch_tokens=engine_defaults.max_num_batched_tokens, seed=seed)
 
 
+
 def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_tokens: int,
-              eos_ids: list[int], pad_id: int, seed: int) -> PeerResult:
-    """transformers' continuous batching (generate_batch) with its CPU attention, SDPA over a paged cache."""
-    model = load_hf_model(model_dir)
+              eos_ids: list[int], pad_id: int, seed: int, device: torch.device, dtype: torch.dtype) -> PeerResult:
+    """transformers' continuous batching (generate_batch): SDPA over its paged cache."""
+    model = load_hf_model(model_dir, device, dtype)
     config = greedy_config(max_tokens, eos_ids, pad_id)
     cb = cb_config(prompts, max_tokens, seed)
     model.generate_batch(inputs=[warmup], generation_config=greedy_config(4, eos_ids, pad_id),
@@ -185,7 +203,7 @@ def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_
     if len(done) != len(prompts) or failed:
         raise RuntimeError(f"generate_batch finished {len(done)}/{len(prompts)} requests; failed: {failed}")
     outputs = [trim_output(r.generated_tokens, set(eos_ids), max_tokens) for r in done]
-    extra = {"attn_implementation": model.config._attn_implementation, "page_size": cb.page_size,
+    extra = {"attn_implementation": model.config._attn_implementation, "page_size": getattr(cb, _PAGE_FIELD),
              "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens}
     return PeerResult("hf-cb", outputs, seconds, extra)
 
@@ -214,13 +232,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static peer")
     parser.add_argument("--json-out", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when there is one)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
+                        help="all peers' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="run the engine peer with speculative decoding (same JSON as the engine flag)")
 
 
 def _print_report(report: dict[str, Any]) -> None:
     peers = report["peers"]
-    print(f"\nmodel {report['model_dir']}  torch threads {report['torch_threads']}  "
+    print(f"\nmodel {report['model_dir']}  {report['device']} {report['dtype']}  torch threads {report['torch_threads']}  "
           f"requests {report['num_requests']}  prompt tokens {report['prompt_tokens']} "
           f"({report['prompt_len_min']}-{report['prompt_len_max']})  max new tokens {report['max_tokens']}")
     print(f"{'peer':<10} {'requests':>8} {'out tok':>8} {'seconds':>9} {'out tok/s':>10} {'engine/peer':>12} "
@@ -254,6 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown or not peers:
         raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
     wall_start = time.perf_counter()
+    device, dtype = device_and_dtype(args.device, args.dtype)
     model_dir = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_ids = eos_token_ids(model_dir)
@@ -268,19 +290,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"== {peer}", flush=True)
         busy_before, own_before, wall_before = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
         if peer == "engine":
-            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, args.speculative_config)
+            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
+                                       args.speculative_config)
         elif peer == "hf-static":
             results[peer] = run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id,
-                                          args.hf_batch_size)
+                                          args.hf_batch_size, device, dtype)
         else:
-            results[peer] = run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed)
+            results[peer] = run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed,
+                                      device, dtype)
         if busy_before is not None:
             others = (_busy_cpu_seconds() - busy_before) - (_own_cpu_seconds() - own_before)
             results[peer].extra["other_processes_cores"] = max(0.0, others) / (time.perf_counter() - wall_before)
 
     engine = results.get("engine")
     report: dict[str, Any] = {
-        "model_dir": str(model_dir), "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
+        "model_dir": str(model_dir), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
         "max_tokens": args.max_tokens, "seed": args.seed, "prompt_tokens": sum(map(len, prompts)),
         "prompt_len_min": min(map(len, prompts)), "prompt_len_max": max(map(len, prompts)), "peers": {},
         "identical_to_engine": {},

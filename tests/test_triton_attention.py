@@ -1,7 +1,10 @@
-"""The Triton kernels against the torch backend on randomized mixed batches.
+"""The Triton kernels against the torch backend on randomized mixed batches, and the engine on them.
 
-Without a GPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1); on a GPU the
-same cases run compiled, in bf16 as well (tests/test_gpu.py)."""
+Without a GPU they run in Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1);
+on a GPU the same cases run compiled, in float32 on CUDA (bf16 and captured graphs: tests/test_gpu.py).
+"""
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,12 +15,19 @@ from worker import LLM, SamplingParams
 from worker.attention import TorchAttention
 from worker.kv_cache import KVCache
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-def random_batch(rng: torch.Generator, bs: int) -> tuple[list[int], list[int]]:
+
+def on_device(layout, device=DEVICE):
+    return dataclasses.replace(layout, block_table_tensor=layout.block_table_tensor.to(device),
+                               slot_mapping=layout.slot_mapping.to(device))
+
+
+def random_batch(rng: torch.Generator, bs: int, decode_only: bool = False) -> tuple[list[int], list[int]]:
     """Decodes and prefill chunks of 1 to 64 tokens, with and without earlier context, in random order."""
     query_lens, context_lens = [], []
     for _ in range(int(torch.randint(3, 7, (1,), generator=rng))):
-        kind = int(torch.randint(0, 3, (1,), generator=rng))
+        kind = 0 if decode_only else int(torch.randint(0, 3, (1,), generator=rng))
         q_len = 1 if kind == 0 else int(torch.randint(1, 65, (1,), generator=rng))
         earlier = 0 if kind == 2 else int(torch.randint(0, 6 * bs, (1,), generator=rng))
         query_lens.append(q_len)
@@ -25,9 +35,10 @@ def random_batch(rng: torch.Generator, bs: int) -> tuple[list[int], list[int]]:
     return query_lens, context_lens
 
 
-def run_both(layout, num_heads, num_kv_heads, head_dim, bs, num_blocks, dtype, device, rng):
+def run_both(layout, num_heads, num_kv_heads, head_dim, bs, num_blocks, dtype, device, rng, split_kv=False):
     from worker.triton_attention import TritonAttention
 
+    layout = on_device(layout, device)
     torch_cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, dtype, device)
     torch_cache.k.copy_(torch.randn(torch_cache.k.shape, generator=rng).to(dtype))
     torch_cache.v.copy_(torch.randn(torch_cache.v.shape, generator=rng).to(dtype))
@@ -41,22 +52,24 @@ def run_both(layout, num_heads, num_kv_heads, head_dim, bs, num_blocks, dtype, d
     k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
 
     expected = TorchAttention(bs).forward(0, q, k, v, torch_cache, TorchAttention(bs).prepare(layout))
-    backend = TritonAttention(bs, num_heads, num_kv_heads, head_dim, dtype)
+    backend = TritonAttention(bs, num_heads, num_kv_heads, head_dim, dtype, split_kv=split_kv)
     got = backend.forward(0, q, k, v, triton_cache, backend.prepare(layout))
     return expected, got, torch_cache, triton_cache
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_triton_matches_torch_backend(group, head_dim):
+@pytest.mark.parametrize("split_kv", [False, True])
+def test_triton_matches_torch_backend(group, head_dim, split_kv):
+    """Two mixed batches and one of decodes only (the one split-KV splits)."""
     rng = torch.Generator().manual_seed(100 * group + head_dim)
     bs, num_blocks, num_kv_heads = 16, 96, 2
-    for _ in range(2):
-        query_lens, context_lens = random_batch(rng, bs)
+    for decode_only in (False, False, True):
+        query_lens, context_lens = random_batch(rng, bs, decode_only)
         layout = random_layout(rng, num_blocks, bs, query_lens, context_lens)
         expected, got, torch_cache, triton_cache = run_both(
-            layout, group * num_kv_heads, num_kv_heads, head_dim, bs, num_blocks, torch.float32,
-            torch.device("cpu"), rng)
+            layout, group * num_kv_heads, num_kv_heads, head_dim, bs, num_blocks, torch.float32, DEVICE, rng,
+            split_kv)
         assert torch.equal(triton_cache.k, torch_cache.k) and torch.equal(triton_cache.v, torch_cache.v)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4,
                                    msg=lambda m: f"query_lens={query_lens} context_lens={context_lens}: {m}")
@@ -67,7 +80,7 @@ def test_triton_block_size_32_and_block_edges():
     rng = torch.Generator().manual_seed(7)
     bs = 32
     layout = random_layout(rng, 64, bs, [1, 1, 1, 32, 64, 33], [32, 31, 33, 64, 96, 33])
-    expected, got, _, _ = run_both(layout, 6, 2, 64, bs, 64, torch.float32, torch.device("cpu"), rng)
+    expected, got, _, _ = run_both(layout, 6, 2, 64, bs, 64, torch.float32, DEVICE, rng)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -77,23 +90,25 @@ def test_padded_rows_write_and_compute_nothing():
 
     rng = torch.Generator().manual_seed(3)
     bs, num_kv_heads, head_dim = 16, 2, 64
-    layout = random_layout(rng, 32, bs, [1, 1], [5, 20])
-    cache = KVCache(1, 32, bs, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    layout = on_device(random_layout(rng, 32, bs, [1, 1], [5, 20]))
+    cache = KVCache(1, 32, bs, num_kv_heads, head_dim, torch.float32, DEVICE)
     backend = TritonAttention(bs, 4, num_kv_heads, head_dim, torch.float32)
     meta = backend.prepare(layout)
-    q = torch.randn(2, 4, head_dim, generator=rng)
-    k = torch.randn(2, num_kv_heads, head_dim, generator=rng)
+    q = torch.randn(2, 4, head_dim, generator=rng).to(DEVICE)
+    k = torch.randn(2, num_kv_heads, head_dim, generator=rng).to(DEVICE)
     reference = backend.forward(0, q, k, k.clone(), cache, meta)
     before = cache.k.clone()
-    padded = backend.prepare(layout)
-    padded.slot_mapping = torch.cat([layout.slot_mapping, torch.tensor([-1, -1])])
-    padded.seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32)])
-    padded.query_start = torch.cat([meta.query_start, torch.tensor([2, 2], dtype=torch.int32)])
-    padded.block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables)])
-    padded.tile_seq = torch.arange(4, dtype=torch.int32)
-    padded.tile_start = torch.zeros(4, dtype=torch.int32)
-    q4 = torch.cat([q, torch.randn(2, 4, head_dim, generator=rng)])
-    k4 = torch.cat([k, torch.randn(2, num_kv_heads, head_dim, generator=rng)])
+
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    padded = dataclasses.replace(
+        meta, slot_mapping=torch.cat([layout.slot_mapping, torch.tensor([-1, -1], device=DEVICE)]),
+        seq_lens=torch.cat([meta.seq_lens, int32([0, 0])]), query_start=torch.cat([meta.query_start, int32([2, 2])]),
+        block_tables=torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables)]),
+        tile_seq=int32([0, 1, 2, 3]), tile_start=int32([0, 0, 0, 0]))
+    q4 = torch.cat([q, torch.randn(2, 4, head_dim, generator=rng).to(DEVICE)])
+    k4 = torch.cat([k, torch.randn(2, num_kv_heads, head_dim, generator=rng).to(DEVICE)])
     out = backend.forward(0, q4, k4, k4.clone(), cache, padded)
     assert torch.equal(cache.k, before)
     torch.testing.assert_close(out[:2], reference)
@@ -112,7 +127,8 @@ def test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_
     second_wave = [prompts[4][:40] + p for p in prompts[:3]]
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(tiny_model_dir), attention_backend=backend, max_num_batched_tokens=16)
+        llm = LLM(str(tiny_model_dir), attention_backend=backend, max_num_batched_tokens=16, device=DEVICE.type,
+                  dtype="float32", enforce_eager=True)
         outputs[backend] = run(llm, prompts) + run(llm, second_wave)
         assert llm.engine.stats().prefix_cache_hits >= 3 * 32  # the shared 40 tokens hold two full blocks
     assert outputs["triton"] == outputs["torch"]
@@ -124,10 +140,11 @@ def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts):
     from worker.cuda_graphs import CudaGraphRunner
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12, 7, 2)]
-    expected = run(LLM(str(tiny_model_dir), attention_backend="triton"), prompts, params)
-    llm = LLM(str(tiny_model_dir), attention_backend="triton", max_num_seqs=8)
+    engine_args = dict(attention_backend="triton", device=DEVICE.type, dtype="float32", enforce_eager=True)
+    expected = run(LLM(str(tiny_model_dir), **engine_args), prompts, params)
+    llm = LLM(str(tiny_model_dir), max_num_seqs=8, **engine_args)
     engine = llm.engine
-    graphs = CudaGraphRunner(engine.model, engine.kv_cache, engine.attention_backend, 8,
+    graphs = CudaGraphRunner(engine.model, engine.kv_cache, engine.attention, 8,
                              -(-engine.max_model_len // 16), engine.device)
     padded_sizes = []
     replay = graphs.run
@@ -146,6 +163,21 @@ def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts):
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
     from worker.attention import make_attention_backend
 
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         make_attention_backend("triton", 16, torch.device("cpu"), torch.float32, 4, 2, 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine compiles the kernels in the other tests")
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter does not check what the GPU compiler does (dot shapes, types): compile for sm_90."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "tests.compile_for_gpu", "90"], capture_output=True, text=True,
+                            env=env, cwd=root, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled 30 kernel variants for sm_90" in result.stdout

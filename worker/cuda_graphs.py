@@ -51,7 +51,7 @@ class CudaGraphRunner:
         n = self.sizes[-1]
         return TritonMetadata(self.slot_mapping[:size], self.block_tables[:size], self.lens[:size],
                               self.lens[n : n + size + 1], self.tile_seq[:size], self.tile_start[:size],
-                              self.attention.decode_block_q())
+                              self.attention.decode_block_q(), self.attention.decode_segments(size))
 
     @torch.inference_mode()
     def capture(self) -> None:

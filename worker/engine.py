@@ -87,7 +87,7 @@ class LLMEngine:
         bs = config.block_size
         attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.num_heads,
                                            mcfg.num_kv_heads, mcfg.head_dim)
-        self.attention_backend = attention
+        self.attention = attention  # the backend object (config.attention_backend names it)
         num_blocks = config.num_gpu_blocks_override or self._num_blocks_for_budget()
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
@@ -135,7 +135,7 @@ class LLMEngine:
         if self.drafter is not None:  # the draft's pool has the same blocks
             per_block += self.drafter.bytes_per_block(self.config.block_size)
         if self.device.type == "cuda":
-            peak = profile_step_peak(self.model, self.attention_backend, self.config.max_num_batched_tokens,
+            peak = profile_step_peak(self.model, self.attention, self.config.max_num_batched_tokens,
                                      self.max_model_len, self.config.max_num_seqs, self.config.block_size, self.dtype,
                                      self.device)
             budget = kv_budget_bytes(peak, self.config.gpu_memory_utilization, self.device)

@@ -15,13 +15,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,10 @@ def _convert_into_cache(gguf_path: Path, target: Path) -> None:
 
 
 def _open_llama_gguf(path: Path) -> GGUFReader:
+    # gguf is imported only for a conversion: an already-converted model (or a GPU machine
+    # serving an HF directory) does not need the package.
+    from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # the reader reports damage as ValueError, IndexError, struct.error, ...
@@ -164,6 +169,8 @@ def _open_llama_gguf(path: Path) -> GGUFReader:
 
 def _metadata(reader: GGUFReader, key: str) -> Any:
     """A scalar or string metadata value, or None when absent (arrays are not needed here)."""
+    from gguf import GGUFValueType
+
     field = reader.fields.get(key)
     if field is None or not field.types or field.types[0] == GGUFValueType.ARRAY:
         return None
@@ -252,6 +259,8 @@ def _undo_rope_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _hf_tensors(reader: GGUFReader, path: Path, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
     converted: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor"):
         hf_name = _hf_tensor_name(tensor.name)

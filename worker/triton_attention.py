@@ -5,7 +5,9 @@ tokens of one sequence (a decode is one tile of one token, a prefill chunk sever
 takes one tile and one KV head, with that head's GQA group of query heads stacked as rows, and
 walks the sequence's block table with an online softmax. Causality inside a chunk is a mask on
 absolute positions, so earlier context from the prefix cache or previous chunks needs nothing
-special. The KV write stores each new token's K and V in the slot the block manager gave it.
+special. A small decode batch splits each context among several programs (split-KV, as in
+flash-decoding) and a second kernel merges their partial softmaxes. The KV write stores each new
+token's K and V in the slot the block manager gave it.
 
 Both kernels also run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set before
 this module is imported): that is how CI checks them against the torch backend. Padded rows of
@@ -49,15 +51,16 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 @triton.jit
-def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                            seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_start_ptr, scale_log2,
-                            stride_qt, stride_qh, stride_ot, stride_oh,
+def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                            block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_start_ptr, scale_log2,
+                            num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_block, stride_slot, stride_head, stride_table,
-                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
     seq = tl.load(tile_seq_ptr + tile)
     tile_start = tl.load(tile_start_ptr + tile)
     q_begin = tl.load(query_start_ptr + seq)
@@ -65,7 +68,7 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
     seq_len = tl.load(seq_lens_ptr + seq)
 
     # Row r of the tile is query token tile_start + r // GROUP_PAD, query head kv_head * GROUP + r % GROUP_PAD.
-    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    rows = tl.arange(0, BLOCK_M)  # BLOCK_M = BLOCK_Q * GROUP_PAD
     q_index = tile_start + rows // GROUP_PAD
     head = kv_head * GROUP + rows % GROUP_PAD
     row_ok = (q_index < q_len) & (rows % GROUP_PAD < GROUP)
@@ -79,13 +82,17 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
     # Keys up to the tile's last real query; a tile past its sequence's query (padding) reads none.
     last_pos = seq_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
     num_blocks = tl.where(tile_start < q_len, last_pos // BLOCK_SIZE + 1, 0)
+    # Split-KV decode: this program walks one contiguous share of the blocks (all of them when unsplit).
+    per_segment = tl.cdiv(num_blocks, NUM_SEGMENTS)
+    first_block = segment * per_segment
+    last_block = tl.minimum(first_block + per_segment, num_blocks)
 
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     slots = tl.arange(0, BLOCK_SIZE)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
-    for b in range(0, num_blocks):
+    for b in range(first_block, last_block):
         block = tl.load(table + b).to(tl.int64)
         offsets = block * stride_block + slots[:, None] * stride_slot + kv_head * stride_head + d[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=d_ok[None, :], other=0.0)
@@ -100,9 +107,34 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SEGMENTS == 1:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # unnormalized partials, combined by _merge_segments_kernel
+        part = (token * num_heads + head) * NUM_SEGMENTS + segment
+        tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=mask)
+        tl.store(partial_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(partial_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_segments_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, num_heads, stride_ot, stride_oh,
+                           NUM_SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * num_heads + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
+    m = tl.load(partial_ml_ptr + part * 2)
+    l = tl.load(partial_ml_ptr + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    d = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.load(partial_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :])
+    total = tl.sum(l * w, 0)
+    # total == 0 only for padded rows (nothing written, partials left at zero): output 0, never NaN.
+    o = tl.where(total == 0.0, 0.0, tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total))
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @dataclass
@@ -114,6 +146,7 @@ class TritonMetadata:
     tile_seq: torch.Tensor  # [tiles] int32: the sequence of each query tile
     tile_start: torch.Tensor  # [tiles] int32: the tile's first query token inside its sequence
     block_q: int
+    num_segments: int = 1  # > 1: split-KV decode (each tile's blocks shared among this many programs)
 
 
 def _pow2(n: int) -> int:
@@ -126,15 +159,22 @@ class TritonAttention:
     # tl.dot wants at least 16 rows: decode tiles stack 16 query rows, mixed batches 64.
     DECODE_ROWS = 16
     PREFILL_ROWS = 64
+    # A decode batch of fewer programs (sequences x KV heads) than this leaves most of a GPU's
+    # ~100+ SMs idle, each program walking a long context alone: split each context in segments.
+    SPLIT_KV_BELOW = 128
+    SPLIT_KV_SEGMENTS = 16
 
-    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 split_kv: bool = True):
         if block_size < 16:
             raise ValueError(f"the triton attention backend needs block_size >= 16, got {block_size}")
         self.block_size = block_size
+        self.num_heads = num_heads
         self.group = num_heads // num_kv_heads
         self.group_pad = _pow2(self.group)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.split_kv = split_kv
         self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         # float32 attends in full precision (as the torch backend does), not TF32.
         self.precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -142,10 +182,15 @@ class TritonAttention:
     def decode_block_q(self) -> int:
         return max(1, self.DECODE_ROWS // self.group_pad)
 
+    def decode_segments(self, num_seqs: int) -> int:
+        """Segments per decode tile; depends on the batch size only, so a captured graph can fix it."""
+        small = num_seqs * self.num_kv_heads < self.SPLIT_KV_BELOW
+        return self.SPLIT_KV_SEGMENTS if self.split_kv and small else 1
+
     def prepare(self, layout: BatchLayout) -> TritonMetadata:
         q_lens = np.asarray(layout.query_lens, dtype=np.int32)
-        rows = self.DECODE_ROWS if q_lens.max(initial=1) <= self.decode_block_q() else self.PREFILL_ROWS
-        block_q = max(1, rows // self.group_pad)
+        decode_only = q_lens.max(initial=1) <= self.decode_block_q()
+        block_q = max(1, (self.DECODE_ROWS if decode_only else self.PREFILL_ROWS) // self.group_pad)
         tiles = -(-q_lens // block_q)
         tile_seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), tiles)
         first_tile = np.zeros(len(q_lens) + 1, dtype=np.int32)
@@ -159,7 +204,8 @@ class TritonAttention:
         packed = packed.to(layout.slot_mapping.device)
         s, t = len(q_lens), len(tile_seq)
         return TritonMetadata(layout.slot_mapping, layout.block_table_tensor, packed[:s], packed[s : 2 * s + 1],
-                              packed[2 * s + 1 : 2 * s + 1 + t], packed[2 * s + 1 + t :], block_q)
+                              packed[2 * s + 1 : 2 * s + 1 + t], packed[2 * s + 1 + t :], block_q,
+                              self.decode_segments(s) if decode_only else 1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: TritonMetadata) -> torch.Tensor:
@@ -182,13 +228,25 @@ class TritonAttention:
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: TritonMetadata,
                out: torch.Tensor) -> None:
-        num_tiles = metadata.tile_seq.shape[0]
+        num_tiles, segments = metadata.tile_seq.shape[0], metadata.num_segments
         if num_tiles == 0:
             return
-        _paged_attention_kernel[(num_tiles, self.num_kv_heads)](
-            out, q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens, metadata.query_start,
-            metadata.tile_seq, metadata.tile_start, self.scale_log2,
+        head_dim_pad = _pow2(self.head_dim)
+        partial_acc = partial_ml = out  # unused without a split
+        if segments > 1:
+            num_tokens = q.shape[0]
+            partial_acc = torch.empty((num_tokens, self.num_heads, segments, head_dim_pad), dtype=torch.float32,
+                                      device=q.device)
+            partial_ml = torch.zeros((num_tokens, self.num_heads, segments, 2), dtype=torch.float32, device=q.device)
+        _paged_attention_kernel[(num_tiles, self.num_kv_heads, segments)](
+            out, partial_acc, partial_ml, q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start, metadata.tile_seq, metadata.tile_start, self.scale_log2, self.num_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), metadata.block_tables.stride(0),
-            GROUP=self.group, GROUP_PAD=self.group_pad, BLOCK_Q=metadata.block_q, HEAD_DIM=self.head_dim,
-            HEAD_DIM_PAD=_pow2(self.head_dim), BLOCK_SIZE=self.block_size, PRECISION=self.precision)
+            GROUP=self.group, GROUP_PAD=self.group_pad, BLOCK_Q=metadata.block_q,
+            BLOCK_M=metadata.block_q * self.group_pad, HEAD_DIM=self.head_dim, HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=self.block_size, NUM_SEGMENTS=segments, PRECISION=self.precision)
+        if segments > 1:
+            _merge_segments_kernel[(q.shape[0], self.num_heads)](
+                out, partial_acc, partial_ml, self.num_heads, out.stride(0), out.stride(1),
+                NUM_SEGMENTS=segments, HEAD_DIM=self.head_dim, HEAD_DIM_PAD=head_dim_pad)

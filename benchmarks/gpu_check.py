@@ -1,0 +1,311 @@
+"""GPU check: attention kernel timings, decode tokens/s against the memory-bandwidth roofline, and
+the offline throughput benchmark, written as one report. scripts/gpu_check.sh runs it after the
+GPU tests; the whole script is sized to finish in under 8 minutes on one H200.
+
+The models are random-weight Llamas of real shapes built in code (benchmarks/random_model.py),
+because the GPU machine has no copy of the weights and step time depends on shapes, not values.
+
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check [--smoke]
+
+--smoke runs every section on tiny shapes, on any device (CPU: the Triton interpreter), to check
+the script itself; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from benchmarks.random_model import write_random_llama
+from worker import LLM, SamplingParams
+from worker.attention import BatchLayout, TorchAttention
+from worker.kv_cache import KVCache
+
+# Peak HBM bandwidth from the data sheets, bytes/s; other devices use the measured copy bandwidth.
+HBM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+FULL = dict(
+    kernel_heads=[(9, 3, 64), (32, 8, 64), (32, 8, 128)],
+    # (label, query lengths, context lengths)
+    kernel_shapes=[("decode 1 x 1024", [1], [1024]), ("decode 1 x 8192", [1], [8192]),
+                   ("decode 8 x 2048", [1] * 8, [2048] * 8), ("decode 64 x 2048", [1] * 64, [2048] * 64),
+                   ("decode 256 x 1024", [1] * 256, [1024] * 256),
+                   ("prefill 1 x 2048", [2048], [2048]), ("chunks 4 x 512 over 1536", [512] * 4, [2048] * 4)],
+    decode_models=["smollm2-135m", "llama-3.2-1b"], decode_batches=[1, 8, 64, 256], decode_context=512,
+    decode_steps=32, throughput_shape="smollm2-135m", throughput_requests=64, throughput_max_tokens=128,
+)
+SMOKE = dict(
+    kernel_heads=[(4, 2, 16)],
+    kernel_shapes=[("decode 2 x 40", [1, 1], [40, 40]), ("prefill 1 x 24", [24], [24])],
+    decode_models=["tiny"], decode_batches=[1, 2], decode_context=16, decode_steps=2,
+    throughput_shape="tiny", throughput_requests=2, throughput_max_tokens=4,
+)
+
+
+def hbm_bandwidth(device: torch.device) -> tuple[float, str]:
+    """Peak bandwidth (bytes/s) and where it came from: the data sheet, or a device copy measured here."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, bandwidth in HBM_BANDWIDTH.items():
+            if key in name:
+                return bandwidth, f"{name} data sheet"
+    measured = copy_bandwidth(device)
+    return measured, "measured copy"
+
+
+def copy_bandwidth(device: torch.device, size: int = 2**30) -> float:
+    """Bytes read plus written per second by one large device-to-device copy (best of 5)."""
+    src = torch.empty(size // 4 if device.type == "cuda" else size // 64, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of fn after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times))
+
+
+def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats: int) -> list[dict[str, Any]]:
+    """One attention layer (K/V write plus attention), Triton vs the torch backend, per shape."""
+    from worker.triton_attention import TritonAttention
+
+    rng = np.random.default_rng(0)
+    rows = []
+    cases = [(h, s) for h in cfg["kernel_heads"] for s in cfg["kernel_shapes"]]
+    for (num_heads, num_kv_heads, head_dim), (label, query_lens, context_lens) in tqdm(cases, desc="kernels"):
+        bs = 16
+        blocks_per_seq = [-(-c // bs) for c in context_lens]
+        cache = KVCache(1, sum(blocks_per_seq) + 1, bs, num_kv_heads, head_dim, dtype, device)
+        cache.k.normal_()
+        cache.v.normal_()
+        order = rng.permutation(cache.num_blocks - 1) + 1
+        tables, start = [], 0
+        for n in blocks_per_seq:
+            tables.append(order[start : start + n].tolist())
+            start += n
+        table_tensor = torch.zeros((len(tables), max(blocks_per_seq)), dtype=torch.long)
+        for i, t in enumerate(tables):
+            table_tensor[i, : len(t)] = torch.tensor(t)
+        slots = [tables[i][p // bs] * bs + p % bs for i, (q, c) in enumerate(zip(query_lens, context_lens))
+                 for p in range(c - q, c)]
+        layout = BatchLayout(np.cumsum([0] + query_lens[:-1]).tolist(), query_lens, context_lens, tables,
+                             table_tensor.to(device), torch.tensor(slots, device=device))
+        t = sum(query_lens)
+        q = torch.randn(t, num_heads, head_dim, dtype=dtype, device=device)
+        k = torch.randn(t, num_kv_heads, head_dim, dtype=dtype, device=device)
+        v = torch.randn(t, num_kv_heads, head_dim, dtype=dtype, device=device)
+        row = {"heads": f"{num_heads}/{num_kv_heads}x{head_dim}", "shape": label}
+        for name, backend in (("torch", TorchAttention(bs)),
+                              ("triton", TritonAttention(bs, num_heads, num_kv_heads, head_dim, dtype))):
+            meta = backend.prepare(layout)
+            row[f"{name}_ms"] = time_ms(lambda: backend.forward(0, q, k, v, cache, meta), device, repeats)
+        row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        rows.append(row)
+    return rows
+
+
+def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, bandwidth: float,
+                 enforce_eager: bool) -> list[dict[str, Any]]:
+    """Decode tokens/s at each batch size, every sequence at decode_context tokens, greedy, no EOS."""
+    llm = LLM(str(model_dir), device=device.type, attention_backend="triton", enforce_eager=enforce_eager,
+              gpu_memory_utilization=0.45,
+              max_num_seqs=max(cfg["decode_batches"]), enable_prefix_caching=False)
+    engine = llm.engine
+    mcfg = engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv_bytes_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * engine.kv_cache.k.element_size()
+    rng = np.random.default_rng(1)
+    rows = []
+    for batch in cfg["decode_batches"]:
+        steps, context = cfg["decode_steps"], cfg["decode_context"]
+        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+        prompts = rng.integers(3, 500, size=(batch, context)).tolist()
+        requests = [engine.add_request(p, params) for p in prompts]
+        while any(r.metrics.first_token_time is None for r in requests):
+            engine.step()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+        seconds = time.perf_counter() - start
+        for r in requests:
+            engine.abort_request(r.request_id)
+        # Every step reads all weights once and each sequence's whole context (context + ~steps/2 on average).
+        step_bytes = weight_bytes + batch * (context + 1 + steps / 2) * kv_bytes_per_token
+        roofline = batch * bandwidth / step_bytes
+        rate = batch * steps / seconds
+        rows.append({"model": shape, "graphs": engine.runner.graphs is not None, "batch": batch, "context": context,
+                     "step_ms": 1000 * seconds / steps, "tokens_per_s": rate, "roofline_tokens_per_s": roofline,
+                     "fraction_of_roofline": rate / roofline, "weight_mb": weight_bytes / 1e6,
+                     "kv_mb_per_step": (step_bytes - weight_bytes) / 1e6})
+    del llm, engine
+    release(device)
+    return rows
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def offline_throughput(model_dir: Path, cfg: dict, device: torch.device, out: Path) -> dict[str, Any]:
+    """benchmarks/throughput.py (engine vs transformers generate and generate_batch) on this device."""
+    from benchmarks import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--device", device.type,
+                              "--num-requests", str(cfg["throughput_requests"]),
+                              "--max-tokens", str(cfg["throughput_max_tokens"]), "--json-out", str(out)])
+    return throughput.run(args)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (header, key, format)."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(format(row[k], f) for _, k, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], out: Path) -> str:
+    env = results["environment"]
+    parts = [f"# GPU check ({'smoke run: numbers mean nothing' if results['smoke'] else 'full run'})", "",
+             f"{env['device_name']}, torch {env['torch']}, triton {env['triton']}, {env['dtype']}. "
+             f"Roofline bandwidth {env['bandwidth_tb_s']:.2f} TB/s ({env['bandwidth_source']}); "
+             f"measured device copy {env['copy_tb_s']:.2f} TB/s (read + written).", ""]
+    if "kernels" in results:
+        parts += ["## Attention layer: Triton vs torch backend (K/V write + attention, median ms)", "",
+                  markdown_table(results["kernels"], [("heads q/kv x dim", "heads", "s"), ("shape", "shape", "s"),
+                                                      ("torch ms", "torch_ms", ".3f"), ("triton ms", "triton_ms", ".3f"),
+                                                      ("speed-up", "speedup", ".2f")]), ""]
+    if "decode" in results:
+        parts += ["## Decode tokens/s against the memory-bandwidth roofline", "",
+                  "Roofline = batch x bandwidth / (weight bytes + KV bytes read per step).", "",
+                  markdown_table(results["decode"], [
+                      ("model", "model", "s"), ("graphs", "graphs", ""), ("batch", "batch", "d"),
+                      ("context", "context", "d"), ("step ms", "step_ms", ".2f"), ("tok/s", "tokens_per_s", ".0f"),
+                      ("roofline tok/s", "roofline_tokens_per_s", ".0f"), ("of roofline", "fraction_of_roofline", ".1%"),
+                      ("weights MB", "weight_mb", ".0f"), ("KV MB/step", "kv_mb_per_step", ".0f")]), ""]
+    if "throughput" in results:
+        t = results["throughput"]
+        rows = [{"peer": name, **p, "ratio": p.get("engine_over_peer", math.nan)} for name, p in t["peers"].items()]
+        parts += [f"## Offline throughput ({t['num_requests']} chat requests, max {t['max_tokens']} new tokens, "
+                  f"{t['device']} {t['dtype']}, random-weight {results['throughput_shape']})", "",
+                  markdown_table(rows, [("peer", "peer", "s"), ("output tokens", "output_tokens", "d"),
+                                        ("seconds", "seconds", ".2f"), ("tok/s", "tokens_per_s", ".0f"),
+                                        ("engine / peer", "ratio", ".2f")]), ""]
+    for section, error in results["errors"].items():
+        parts += [f"**{section} failed**: `{error}` (traceback in the log)", ""]
+    parts += [f"Sections skipped for time: {', '.join(results['skipped']) or 'none'}. "
+              f"Wall time {results['wall_seconds']:.0f} s."]
+    report = "\n".join(parts) + "\n"
+    (out / "report.md").write_text(report)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check"), help="report folder")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script only")
+    parser.add_argument("--budget-s", type=float, default=270.0,
+                        help="skip the sections that would start after this many seconds")
+    args = parser.parse_args(argv)
+    cfg = SMOKE if args.smoke else FULL
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        parser.error("no CUDA device: the full check needs a GPU (use --smoke to test the script)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type != "cuda":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (first import)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    bandwidth, source = hbm_bandwidth(device)
+    import triton
+
+    results: dict[str, Any] = {"smoke": args.smoke, "skipped": [], "errors": {}, "throughput_shape": cfg["throughput_shape"],
+                               "environment": {
+                                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                                   "torch": torch.__version__, "triton": triton.__version__,
+                                   "dtype": str(dtype).removeprefix("torch."), "bandwidth_tb_s": bandwidth / 1e12,
+                                   "bandwidth_source": source, "copy_tb_s": copy_bandwidth(device) / 1e12}}
+
+    def run_section(section: str, fn) -> Any:
+        """fn's result, or None when the time budget is spent or it fails: one section's failure
+        must not cost the others' numbers on a machine lent for minutes."""
+        if time.perf_counter() - start >= args.budget_s:
+            results["skipped"].append(section)
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
+            logging.exception("section %s failed", section)
+            results["errors"][section] = f"{type(exc).__name__}: {exc}"
+            release(device)
+            return None
+
+    with tempfile.TemporaryDirectory(prefix="metroserve-gpu-check-") as tmp:
+        kernels = run_section("kernels", lambda: kernel_timings(cfg, device, dtype, repeats=3 if args.smoke else 20))
+        if kernels is not None:
+            results["kernels"] = kernels
+        results["decode"] = []
+        for shape in {*cfg["decode_models"], cfg["throughput_shape"]}:
+            write_random_llama(Path(tmp) / shape, shape, device=device.type, dtype=dtype)
+            release(device)
+        for shape in cfg["decode_models"]:
+            for eager in (False, True):
+                rows = run_section(f"decode {shape} {'eager' if eager else 'graphs'}",
+                                   lambda: decode_rates(Path(tmp) / shape, shape, cfg, device, bandwidth, eager))
+                results["decode"] += rows or []
+        throughput = run_section("throughput", lambda: offline_throughput(
+            Path(tmp) / cfg["throughput_shape"], cfg, device, args.out / "throughput.json"))
+        if throughput is not None:
+            results["throughput"] = throughput
+    results["wall_seconds"] = time.perf_counter() - start
+    print(write_report(results, args.out))
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

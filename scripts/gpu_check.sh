@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU check, for a machine with an NVIDIA GPU: the GPU tests, then benchmarks/gpu_check.py
+# (Triton vs torch attention timings, decode tokens/s with CUDA graphs on and off against the
+# memory-bandwidth roofline, the offline throughput benchmark), all written to one folder:
+#   environment.txt  tests.log  bench.log  report.md  results.json  throughput.json
+# Sized to finish in under 8 minutes (tests <= 180 s, benchmarks <= 270 s), so that a 15-minute
+# GPU lease can run it once and rerun it once.
+#
+#   bash scripts/gpu_check.sh [--smoke] [OUT_DIR]     (default OUT_DIR: benchmarks/results/gpu_check)
+#
+# --smoke checks the script on any machine: tiny shapes, CPU tensors in Triton's interpreter.
+# It uses $PYTHON, else python3 when that has torch (a GPU image's own), else .venv/bin/python;
+# nothing is installed, so it runs on a machine with no package registry.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+smoke=()
+if [[ "${1:-}" == "--smoke" ]]; then
+  smoke=(--smoke)
+  shift
+fi
+out=${1:-benchmarks/results/gpu_check}
+mkdir -p "$out"
+rm -f "$out"/{environment.txt,tests.log,bench.log,report.md,results.json,throughput.json}  # no stale results
+
+py=${PYTHON:-}
+if [[ -z "$py" ]]; then
+  if python3 -c "import torch" 2>/dev/null; then py=python3; else py=.venv/bin/python; fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+start=$(date +%s)
+
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null \
+    || echo "no nvidia-smi"
+  "$py" -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__,
+'| gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+} 2>&1 | tee "$out/environment.txt"
+
+tests=(tests/test_gpu.py tests/test_triton_attention.py)
+[[ ${#smoke[@]} -gt 0 ]] && tests=(tests/test_gpu.py)  # the interpreter cases already run in the CPU suite
+timeout 180 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$out/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+timeout 270 "$py" benchmarks/gpu_check.py --out "$out" --budget-s 180 "${smoke[@]}" 2>&1 | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+summary="GPU tests exit $tests_rc ($(tail -n 1 "$out/tests.log")); benchmarks exit $bench_rc; $(( $(date +%s) - start )) s in all."
+echo "$summary"
+if [[ -f "$out/report.md" ]]; then
+  printf '\n%s\n' "$summary" >> "$out/report.md"
+fi
+[[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]

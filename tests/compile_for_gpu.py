@@ -1,0 +1,74 @@
+"""Compile the Triton kernels for an NVIDIA GPU on a machine without one.
+
+    TRITON_INTERPRET= python -m tests.compile_for_gpu [compute capability, default 90 (Hopper)]
+
+Triton lowers each kernel to PTX and assembles it with its bundled ptxas for the named target, so
+what only the GPU compiler checks (tl.dot shapes, types, constexpr use) fails here, in CI, rather
+than on a GPU machine lent for minutes. The interpreter replaces kernels with Python, so it must be
+off. Variants: the ones the engine launches for the shapes the tests cover.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("run with TRITON_INTERPRET unset: the interpreter does not compile")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from worker.triton_attention import (TritonAttention, _merge_segments_kernel, _paged_attention_kernel,  # noqa: E402
+                                     _pow2, _write_kv_kernel)
+
+_POINTERS = {"block_tables_ptr": "*i64", "slot_ptr": "*i64", "partial_acc_ptr": "*fp32", "partial_ml_ptr": "*fp32",
+             "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32"}
+
+
+def compile_kernel(kernel, dtype: str, constexprs: dict, capability: int) -> None:
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = _POINTERS.get(name, f"*{dtype}")
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32))
+
+
+def variants() -> list[tuple[object, str, dict]]:
+    out = []
+    for dtype, precision in (("fp32", "ieee"), ("bf16", "tf32")):
+        for num_heads, num_kv_heads, head_dim in ((4, 4, 64), (9, 3, 64), (32, 4, 128)):
+            backend = TritonAttention(16, num_heads, num_kv_heads, head_dim, torch.float32)
+            common = dict(GROUP=backend.group, GROUP_PAD=backend.group_pad, HEAD_DIM=head_dim,
+                          HEAD_DIM_PAD=_pow2(head_dim), BLOCK_SIZE=16, PRECISION=precision)
+            decode_q = backend.decode_block_q()
+            prefill_q = max(1, backend.PREFILL_ROWS // backend.group_pad)
+            for block_q, segments in ((decode_q, 1), (decode_q, backend.SPLIT_KV_SEGMENTS), (prefill_q, 1)):
+                out.append((_paged_attention_kernel, dtype, dict(common, BLOCK_Q=block_q,
+                                                                  BLOCK_M=block_q * backend.group_pad,
+                                                                  NUM_SEGMENTS=segments)))
+            out.append((_merge_segments_kernel, dtype, dict(NUM_SEGMENTS=backend.SPLIT_KV_SEGMENTS, HEAD_DIM=head_dim,
+                                                            HEAD_DIM_PAD=_pow2(head_dim))))
+            out.append((_write_kv_kernel, dtype, dict(NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=_pow2(num_kv_heads),
+                                                      HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim))))
+    return out
+
+
+def main() -> int:
+    capability = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    compiled = 0
+    for kernel, dtype, constexprs in variants():
+        compile_kernel(kernel, dtype, constexprs, capability)
+        compiled += 1
+    print(f"compiled {compiled} kernel variants for sm_{capability}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
