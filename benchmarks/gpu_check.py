@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.random_model import write_random_llama
-from worker import LLM, SamplingParams
+from worker import EngineConfig, LLMEngine, SamplingParams
 from worker.attention import BatchLayout, TorchAttention
 from worker.kv_cache import KVCache
 
@@ -144,10 +144,11 @@ def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats:
 def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, bandwidth: float,
                  enforce_eager: bool) -> list[dict[str, Any]]:
     """Decode tokens/s at each batch size, every sequence at decode_context tokens, greedy, no EOS."""
-    llm = LLM(str(model_dir), device=device.type, attention_backend="triton", enforce_eager=enforce_eager,
-              gpu_memory_utilization=0.45,
-              max_num_seqs=max(cfg["decode_batches"]), enable_prefix_caching=False)
-    engine = llm.engine
+    # No detokenization: this measures the model step and its scheduling, not text assembly.
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device.type, attention_backend="triton",
+                                    enforce_eager=enforce_eager, gpu_memory_utilization=0.45,
+                                    max_num_seqs=max(cfg["decode_batches"]), enable_prefix_caching=False),
+                       detokenize=False)
     mcfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * engine.kv_cache.k.element_size()
@@ -176,7 +177,7 @@ def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, b
                      "step_ms": 1000 * seconds / steps, "tokens_per_s": rate, "roofline_tokens_per_s": roofline,
                      "fraction_of_roofline": rate / roofline, "weight_mb": weight_bytes / 1e6,
                      "kv_mb_per_step": (step_bytes - weight_bytes) / 1e6})
-    del llm, engine
+    del engine
     release(device)
     return rows
 
@@ -282,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
             logging.exception("section %s failed", section)
             results["errors"][section] = f"{type(exc).__name__}: {exc}"
-            release(device)
-            return None
+        release(device)  # after the except block: the traceback no longer holds the section's tensors
+        return None
 
     with tempfile.TemporaryDirectory(prefix="metroserve-gpu-check-") as tmp:
         kernels = run_section("kernels", lambda: kernel_timings(cfg, device, dtype, repeats=3 if args.smoke else 20))
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(tmp) / cfg["throughput_shape"], cfg, device, args.out / "throughput.json"))
         if throughput is not None:
             results["throughput"] = throughput
+            for peer, error in throughput["failed_peers"].items():
+                results["errors"][f"throughput peer {peer}"] = error
     results["wall_seconds"] = time.perf_counter() - start
     print(write_report(results, args.out))
     return 1 if results["errors"] else 0

@@ -83,5 +83,5 @@ def write_random_llama(path: Path, shape: str = "tiny", seed: int = 0, device: s
             for name, p in model.named_parameters():
                 if "norm" not in name:
                     p.normal_(0.0, 0.25 if "embed" not in name else 1.0)
-    model.save_pretrained(path)
+    model.to("cpu").save_pretrained(path)
     return path

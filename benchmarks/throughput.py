@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+import logging
 import math
 import os
 import sys
@@ -265,6 +267,8 @@ def _print_report(report: dict[str, Any]) -> None:
                   f"mean acceptance length {e['spec_mean_acceptance_length']:.2f})")
     for name, same in report["identical_to_engine"].items():
         print(f"greedy outputs token-identical, engine vs {name}: {same}/{report['num_requests']}")
+    for name, error in report["failed_peers"].items():
+        print(f"peer {name} FAILED: {error}")
     print(f"wall time (loads, warm-ups and all peers): {report['wall_seconds']:.0f}s")
 
 
@@ -286,18 +290,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{sum(map(len, prompts))} prompt tokens; peers: {', '.join(peers)}")
 
     results: dict[str, PeerResult] = {}
+    failed: dict[str, str] = {}
     for peer in peers:
         print(f"== {peer}", flush=True)
         busy_before, own_before, wall_before = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
-        if peer == "engine":
-            results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
-                                       args.speculative_config)
-        elif peer == "hf-static":
-            results[peer] = run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id,
-                                          args.hf_batch_size, device, dtype)
-        else:
-            results[peer] = run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed,
-                                      device, dtype)
+        try:
+            if peer == "engine":
+                results[peer] = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
+                                           args.speculative_config)
+            elif peer == "hf-static":
+                results[peer] = run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id,
+                                              args.hf_batch_size, device, dtype)
+            else:
+                results[peer] = run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed,
+                                          device, dtype)
+        except Exception as exc:  # noqa: BLE001 - one peer's failure (e.g. an older transformers) is reported
+            logging.exception("peer %s failed", peer)
+            failed[peer] = f"{type(exc).__name__}: {exc}"
+            continue
+        finally:
+            gc.collect()  # the peer's model and KV pool, before the next peer loads
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if busy_before is not None:
             others = (_busy_cpu_seconds() - busy_before) - (_own_cpu_seconds() - own_before)
             results[peer].extra["other_processes_cores"] = max(0.0, others) / (time.perf_counter() - wall_before)
@@ -308,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
         "max_tokens": args.max_tokens, "seed": args.seed, "prompt_tokens": sum(map(len, prompts)),
         "prompt_len_min": min(map(len, prompts)), "prompt_len_max": max(map(len, prompts)), "peers": {},
-        "identical_to_engine": {},
+        "identical_to_engine": {}, "failed_peers": failed,
     }
     for name, r in results.items():
         entry = {"requests": len(r.outputs), "output_tokens": r.output_tokens, "seconds": r.seconds,
@@ -330,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+    report = run(parser.parse_args(argv))
+    return 1 if report["failed_peers"] else 0
 
 
 if __name__ == "__main__":
