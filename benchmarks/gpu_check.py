@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -143,7 +144,8 @@ def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats:
 
 def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, bandwidth: float,
                  enforce_eager: bool) -> list[dict[str, Any]]:
-    """Decode tokens/s at each batch size, every sequence at decode_context tokens, greedy, no EOS."""
+    """Decode tokens/s at each batch size: every sequence decoding (greedy, no EOS) from a
+    decode_context-token prompt, timed over decode_steps steps after three untimed ones."""
     # No detokenization: this measures the model step and its scheduling, not text assembly.
     engine = LLMEngine(EngineConfig(model=str(model_dir), device=device.type, attention_backend="triton",
                                     enforce_eager=enforce_eager, gpu_memory_utilization=0.45,
@@ -156,27 +158,37 @@ def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, b
     rows = []
     for batch in cfg["decode_batches"]:
         steps, context = cfg["decode_steps"], cfg["decode_context"]
-        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-        prompts = rng.integers(3, 500, size=(batch, context)).tolist()
-        requests = [engine.add_request(p, params) for p in prompts]
+        # Long enough that no sequence finishes while later prompts prefill or during the timed steps.
+        params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context - 1, ignore_eos=True)
+        requests = [engine.add_request(p, params) for p in rng.integers(3, 500, size=(batch, context)).tolist()]
+        seqs = [r.seqs[0] for r in requests]
         while any(r.metrics.first_token_time is None for r in requests):
             engine.step()
+        for _ in range(3):  # untimed: compiles this batch's decode kernels before the clock starts
+            engine.step()
+        tokens_before = sum(s.num_tokens for s in seqs)
         sync(device)
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         sync(device)
         seconds = time.perf_counter() - start
+        decoding = len(engine.batcher.running)
+        tokens_after = sum(s.num_tokens for s in seqs)
         for r in requests:
             engine.abort_request(r.request_id)
-        # Every step reads all weights once and each sequence's whole context (context + ~steps/2 on average).
-        step_bytes = weight_bytes + batch * (context + 1 + steps / 2) * kv_bytes_per_token
+        if decoding != batch or tokens_after - tokens_before != batch * steps:
+            raise RuntimeError(f"batch {batch}: {decoding} sequences decoding, {tokens_after - tokens_before} "
+                               f"tokens in {steps} steps; the measurement needs all of them every step")
+        # Each step reads every weight once and each sequence's whole context (its mean over the timed steps).
+        mean_context = (tokens_before + tokens_after) / 2 / batch
+        step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
         roofline = batch * bandwidth / step_bytes
         rate = batch * steps / seconds
-        rows.append({"model": shape, "graphs": engine.runner.graphs is not None, "batch": batch, "context": context,
-                     "step_ms": 1000 * seconds / steps, "tokens_per_s": rate, "roofline_tokens_per_s": roofline,
-                     "fraction_of_roofline": rate / roofline, "weight_mb": weight_bytes / 1e6,
-                     "kv_mb_per_step": (step_bytes - weight_bytes) / 1e6})
+        rows.append({"model": shape, "graphs": engine.runner.graphs is not None, "batch": batch,
+                     "context": round(mean_context), "step_ms": 1000 * seconds / steps, "tokens_per_s": rate,
+                     "roofline_tokens_per_s": roofline, "fraction_of_roofline": rate / roofline,
+                     "weight_mb": weight_bytes / 1e6, "kv_mb_per_step": (step_bytes - weight_bytes) / 1e6})
     del engine
     release(device)
     return rows
@@ -212,14 +224,15 @@ def write_report(results: dict[str, Any], out: Path) -> str:
     env = results["environment"]
     parts = [f"# GPU check ({'smoke run: numbers mean nothing' if results['smoke'] else 'full run'})", "",
              f"{env['device_name']}, torch {env['torch']}, triton {env['triton']}, {env['dtype']}. "
-             f"Roofline bandwidth {env['bandwidth_tb_s']:.2f} TB/s ({env['bandwidth_source']}); "
-             f"measured device copy {env['copy_tb_s']:.2f} TB/s (read + written).", ""]
-    if "kernels" in results:
+             f"Roofline bandwidth {env.get('bandwidth_tb_s', math.nan):.2f} TB/s "
+             f"({env.get('bandwidth_source', 'not measured')}); measured device copy "
+             f"{env.get('copy_tb_s', math.nan):.2f} TB/s (read + written).", ""]
+    if results.get("kernels"):
         parts += ["## Attention layer: Triton vs torch backend (K/V write + attention, median ms)", "",
                   markdown_table(results["kernels"], [("heads q/kv x dim", "heads", "s"), ("shape", "shape", "s"),
                                                       ("torch ms", "torch_ms", ".3f"), ("triton ms", "triton_ms", ".3f"),
                                                       ("speed-up", "speedup", ".2f")]), ""]
-    if "decode" in results:
+    if results.get("decode"):
         parts += ["## Decode tokens/s against the memory-bandwidth roofline", "",
                   "Roofline = batch x bandwidth / (weight bytes + KV bytes read per step).", "",
                   markdown_table(results["decode"], [
@@ -250,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check"), help="report folder")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script only")
-    parser.add_argument("--budget-s", type=float, default=270.0,
-                        help="skip the sections that would start after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=250.0,
+                        help="skip a section that, by its estimate, would end after this many seconds")
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -262,51 +275,71 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (first import)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    bandwidth, source = hbm_bandwidth(device)
+    # gpu_check.sh stops a run that overstays with SIGTERM: exit through the finally below, which
+    # writes what was measured so far.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import triton
 
-    results: dict[str, Any] = {"smoke": args.smoke, "skipped": [], "errors": {}, "throughput_shape": cfg["throughput_shape"],
+    results: dict[str, Any] = {"smoke": args.smoke, "skipped": [], "errors": {},
+                               "throughput_shape": cfg["throughput_shape"], "wall_seconds": 0.0,
                                "environment": {
                                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                                    "torch": torch.__version__, "triton": triton.__version__,
-                                   "dtype": str(dtype).removeprefix("torch."), "bandwidth_tb_s": bandwidth / 1e12,
-                                   "bandwidth_source": source, "copy_tb_s": copy_bandwidth(device) / 1e12}}
+                                   "dtype": str(dtype).removeprefix("torch.")}}
 
-    def run_section(section: str, fn) -> Any:
-        """fn's result, or None when the time budget is spent or it fails: one section's failure
-        must not cost the others' numbers on a machine lent for minutes."""
-        if time.perf_counter() - start >= args.budget_s:
+    def run_section(section: str, estimate_s: float, fn) -> Any:
+        """fn's result, or None when it would overrun the budget or it fails: one section's failure
+        must not cost the others' numbers on a machine lent for minutes. The report is rewritten
+        after every section."""
+        if time.perf_counter() - start + estimate_s > args.budget_s:
             results["skipped"].append(section)
             return None
+        value = None
         try:
-            return fn()
+            value = fn()
         except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
             logging.exception("section %s failed", section)
             results["errors"][section] = f"{type(exc).__name__}: {exc}"
-        release(device)  # after the except block: the traceback no longer holds the section's tensors
-        return None
+        try:
+            release(device)  # outside the except block: the traceback no longer holds the section's tensors
+        except Exception as exc:  # noqa: BLE001 - a sticky CUDA error surfaces here again
+            results["errors"].setdefault(section, f"{type(exc).__name__}: {exc}")
+        results["wall_seconds"] = time.perf_counter() - start
+        write_report(results, args.out)
+        return value
 
-    with tempfile.TemporaryDirectory(prefix="metroserve-gpu-check-") as tmp:
-        kernels = run_section("kernels", lambda: kernel_timings(cfg, device, dtype, repeats=3 if args.smoke else 20))
-        if kernels is not None:
-            results["kernels"] = kernels
-        results["decode"] = []
+    def bandwidths() -> None:
+        bandwidth, source = hbm_bandwidth(device)
+        results["environment"].update(bandwidth_tb_s=bandwidth / 1e12, bandwidth_source=source,
+                                      copy_tb_s=copy_bandwidth(device) / 1e12)
+
+    def write_models(tmp: str) -> None:
         for shape in {*cfg["decode_models"], cfg["throughput_shape"]}:
             write_random_llama(Path(tmp) / shape, shape, device=device.type, dtype=dtype)
             release(device)
-        for shape in cfg["decode_models"]:
-            for eager in (False, True):
-                rows = run_section(f"decode {shape} {'eager' if eager else 'graphs'}",
-                                   lambda: decode_rates(Path(tmp) / shape, shape, cfg, device, bandwidth, eager))
-                results["decode"] += rows or []
-        throughput = run_section("throughput", lambda: offline_throughput(
-            Path(tmp) / cfg["throughput_shape"], cfg, device, args.out / "throughput.json"))
-        if throughput is not None:
-            results["throughput"] = throughput
-            for peer, error in throughput["failed_peers"].items():
-                results["errors"][f"throughput peer {peer}"] = error
-    results["wall_seconds"] = time.perf_counter() - start
-    print(write_report(results, args.out))
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="metroserve-gpu-check-") as tmp:
+            run_section("bandwidth", 5, bandwidths)
+            bandwidth = results["environment"].get("bandwidth_tb_s", math.nan) * 1e12
+            results["kernels"] = run_section(
+                "kernels", 40, lambda: kernel_timings(cfg, device, dtype, repeats=3 if args.smoke else 20)) or []
+            run_section("random-weight models", 20, lambda: write_models(tmp))
+            results["decode"] = []
+            for shape in cfg["decode_models"]:
+                for eager in (False, True):
+                    results["decode"] += run_section(
+                        f"decode {shape} {'eager' if eager else 'graphs'}", 25 if shape == "smollm2-135m" else 35,
+                        lambda: decode_rates(Path(tmp) / shape, shape, cfg, device, bandwidth, eager)) or []
+            throughput = run_section("throughput", 100, lambda: offline_throughput(
+                Path(tmp) / cfg["throughput_shape"], cfg, device, args.out / "throughput.json"))
+            if throughput is not None:
+                results["throughput"] = throughput
+                for peer, error in throughput["failed_peers"].items():
+                    results["errors"][f"throughput peer {peer}"] = error
+    finally:
+        results["wall_seconds"] = time.perf_counter() - start
+        print(write_report(results, args.out))
     return 1 if results["errors"] else 0
 
 

@@ -29,8 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig,
-                          GenerationConfig)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from benchmarks.workload import build_chat_workload
 from worker import LLM, SamplingParams
@@ -39,9 +38,6 @@ from worker.model_files import resolve_model_dir
 
 PEERS = ("engine", "hf-static", "hf-cb")
 WARMUP_TEXT = "Warm-up request: say hello."
-# transformers renamed block_size to page_size (5.17 has the first, 5.24 the second): the GPU
-# machine's image and our pinned version differ.
-_PAGE_FIELD = next(f.name for f in dataclasses.fields(ContinuousBatchingConfig) if f.name in ("page_size", "block_size"))
 
 
 @dataclass
@@ -172,7 +168,7 @@ def run_hf_static(model_dir: Path, prompts: list[list[int]], warmup: list[int], 
     return PeerResult("hf-static", outputs, seconds, {"batch_size": batch_size})
 
 
-def cb_config(prompts: list[list[int]], max_tokens: int, seed: int) -> ContinuousBatchingConfig:
+def cb_config(prompts: list[list[int]], max_tokens: int, seed: int):
     """Continuous-batching settings for CPU, matched to the engine's defaults.
 
     Pages of the engine's block size (16 tokens, not the default 256, which strands ~128 tokens per
@@ -180,10 +176,16 @@ def cb_config(prompts: list[list[int]], max_tokens: int, seed: int) -> Continuou
     whole workload at once (as the engine's 4GiB pool does), since on CPU transformers would
     otherwise size the pool from 90% of free host RAM.
     """
+    # Imported here so that a transformers without it fails only this peer, not the module.
+    from transformers import ContinuousBatchingConfig
+
+    # transformers renamed block_size to page_size (5.17, on the GPU image, has the first; 5.24 the second).
+    page_field = next(f.name for f in dataclasses.fields(ContinuousBatchingConfig)
+                      if f.name in ("page_size", "block_size"))
     engine_defaults = EngineConfig()
     page = engine_defaults.block_size
     num_blocks = sum(math.ceil((len(p) + max_tokens) / page) for p in prompts)
-    return ContinuousBatchingConfig(**{_PAGE_FIELD: page}, num_blocks=num_blocks,
+    return ContinuousBatchingConfig(**{page_field: page}, num_blocks=num_blocks,
                                     max_batch_tokens=engine_defaults.max_num_batched_tokens, seed=seed)
 
 
@@ -205,7 +207,7 @@ def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_
     if len(done) != len(prompts) or failed:
         raise RuntimeError(f"generate_batch finished {len(done)}/{len(prompts)} requests; failed: {failed}")
     outputs = [trim_output(r.generated_tokens, set(eos_ids), max_tokens) for r in done]
-    extra = {"attn_implementation": model.config._attn_implementation, "page_size": getattr(cb, _PAGE_FIELD),
+    extra = {"attn_implementation": model.config._attn_implementation, "page_size": getattr(cb, "page_size", getattr(cb, "block_size", None)),
              "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens}
     return PeerResult("hf-cb", outputs, seconds, extra)
 

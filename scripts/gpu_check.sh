@@ -3,8 +3,9 @@
 # (Triton vs torch attention timings, decode tokens/s with CUDA graphs on and off against the
 # memory-bandwidth roofline, the offline throughput benchmark), all written to one folder:
 #   environment.txt  tests.log  bench.log  report.md  results.json  throughput.json
-# Sized to finish in under 8 minutes (tests <= 180 s, benchmarks <= 270 s), so that a 15-minute
-# GPU lease can run it once and rerun it once.
+# Sized to finish in under 8 minutes (tests <= 180 s, benchmarks <= 270 s, each section skipped when
+# its estimate would end past 250 s), so that a 15-minute GPU lease can run it once and rerun it once.
+# The report is rewritten after every section, so a run stopped early still leaves its numbers.
 #
 #   bash scripts/gpu_check.sh [--smoke] [OUT_DIR]     (default OUT_DIR: benchmarks/results/gpu_check)
 #
@@ -37,14 +38,17 @@ start=$(date +%s)
   "$py" -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__,
 '| gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+  # Triton builds a small C launcher on first use: without a C compiler and Python.h every kernel fails.
+  echo "C compiler: $(command -v cc || command -v gcc || echo MISSING)"
+  "$py" -c "import os, sysconfig; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); print('Python.h:', h if os.path.exists(h) else 'MISSING')"
 } 2>&1 | tee "$out/environment.txt"
 
 tests=(tests/test_gpu.py tests/test_triton_attention.py)
 [[ ${#smoke[@]} -gt 0 ]] && tests=(tests/test_gpu.py)  # the interpreter cases already run in the CPU suite
-timeout 180 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$out/tests.log"
+timeout 180 "$py" -m pytest -q -p no:cacheprovider --durations=15 "${tests[@]}" 2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout 270 "$py" benchmarks/gpu_check.py --out "$out" --budget-s 180 "${smoke[@]}" 2>&1 | tee "$out/bench.log"
+timeout 270 "$py" benchmarks/gpu_check.py --out "$out" --budget-s 250 "${smoke[@]}" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
 summary="GPU tests exit $tests_rc ($(tail -n 1 "$out/tests.log")); benchmarks exit $bench_rc; $(( $(date +%s) - start )) s in all."

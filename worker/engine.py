@@ -62,6 +62,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig(**kwargs)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches and graph captures use the current device
         dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
         self.model_dir = resolve_model_dir(config.model)

@@ -50,7 +50,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-@triton.jit
+# The block-table width changes from step to step; specializing on its divisibility by 16 would
+# compile a second variant mid-run for no gain.
+@triton.jit(do_not_specialize=["stride_table"])
 def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                             block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_start_ptr, scale_log2,
                             num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
@@ -198,14 +200,18 @@ class TritonAttention:
         tile_start = (np.arange(len(tile_seq), dtype=np.int32) - first_tile[tile_seq]) * block_q
         query_start = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=query_start[1:])
-        # One host-to-device copy for the four small arrays.
-        packed = torch.from_numpy(np.concatenate([
-            np.asarray(layout.seq_lens, dtype=np.int32), query_start, tile_seq, tile_start]))
-        packed = packed.to(layout.slot_mapping.device)
-        s, t = len(q_lens), len(tile_seq)
-        return TritonMetadata(layout.slot_mapping, layout.block_table_tensor, packed[:s], packed[s : 2 * s + 1],
-                              packed[2 * s + 1 : 2 * s + 1 + t], packed[2 * s + 1 + t :], block_q,
-                              self.decode_segments(s) if decode_only else 1)
+        # One host-to-device copy for the four small arrays, each starting on a 16-byte boundary:
+        # Triton specializes kernels on pointer alignment, which must not change from step to step.
+        parts = [np.asarray(layout.seq_lens, dtype=np.int32), query_start, tile_seq, tile_start]
+        starts = np.cumsum([0] + [-(-len(p) // 4) * 4 for p in parts])
+        packed = np.zeros(starts[-1], dtype=np.int32)
+        for part, start in zip(parts, starts):
+            packed[start : start + len(part)] = part
+        device_packed = torch.from_numpy(packed).to(layout.slot_mapping.device)
+        seq_lens, query_start_t, tile_seq_t, tile_start_t = (
+            device_packed[start : start + len(part)] for part, start in zip(parts, starts))
+        return TritonMetadata(layout.slot_mapping, layout.block_table_tensor, seq_lens, query_start_t, tile_seq_t,
+                              tile_start_t, block_q, self.decode_segments(len(q_lens)) if decode_only else 1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: TritonMetadata) -> torch.Tensor:
