@@ -28,7 +28,13 @@ _POINTERS = {"block_tables_ptr": "*i64", "slot_ptr": "*i64", "partial_acc_ptr": 
              "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32"}
 
 
-def compile_kernel(kernel, dtype: str, constexprs: dict, capability: int) -> None:
+# Hopper's and Ampere's largest shared memory per block (227 KiB, 163 KiB): a variant over it
+# compiles but fails at launch.
+SHARED_MEMORY_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+
+
+def compile_kernel(kernel, dtype: str, constexprs: dict, capability: int) -> int:
+    """Compile one variant; returns the shared memory it needs."""
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -37,16 +43,17 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, capability: int) -> Non
             signature[name] = _POINTERS.get(name, f"*{dtype}")
         else:
             signature[name] = "fp32" if name == "scale_log2" else "i32"
-    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32))
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32))
+    return compiled.metadata.shared
 
 
 def variants() -> list[tuple[object, str, dict]]:
     out = []
-    for dtype, precision in (("fp32", "ieee"), ("bf16", "tf32")):
+    for dtype, torch_dtype, precision in (("fp32", torch.float32, "ieee"), ("bf16", torch.bfloat16, "tf32")):
         for num_heads, num_kv_heads, head_dim in ((4, 4, 64), (9, 3, 64), (32, 4, 128)):
-            backend = TritonAttention(16, num_heads, num_kv_heads, head_dim, torch.float32)
+            backend = TritonAttention(16, num_heads, num_kv_heads, head_dim, torch_dtype)
             common = dict(GROUP=backend.group, GROUP_PAD=backend.group_pad, HEAD_DIM=head_dim,
-                          HEAD_DIM_PAD=_pow2(head_dim), BLOCK_SIZE=16, PRECISION=precision)
+                          HEAD_DIM_PAD=_pow2(head_dim), BLOCK_SIZE=16, TILE_N=backend.tile_n, PRECISION=precision)
             decode_q = backend.decode_block_q()
             prefill_q = max(1, backend.PREFILL_ROWS // backend.group_pad)
             for block_q, segments in ((decode_q, 1), (decode_q, backend.SPLIT_KV_SEGMENTS), (prefill_q, 1)):
@@ -62,10 +69,16 @@ def variants() -> list[tuple[object, str, dict]]:
 
 def main() -> int:
     capability = int(sys.argv[1]) if len(sys.argv) > 1 else 90
-    compiled = 0
+    compiled, too_big = 0, []
+    limit = SHARED_MEMORY_LIMIT.get(capability, SHARED_MEMORY_LIMIT[80])
     for kernel, dtype, constexprs in variants():
-        compile_kernel(kernel, dtype, constexprs, capability)
+        shared = compile_kernel(kernel, dtype, constexprs, capability)
         compiled += 1
+        if shared > limit:
+            too_big.append(f"{kernel.__name__} {dtype} {constexprs}: {shared} bytes of shared memory")
+    if too_big:
+        print("over the shared-memory limit of sm_%d (%d bytes):\n%s" % (capability, limit, "\n".join(too_big)))
+        return 1
     print(f"compiled {compiled} kernel variants for sm_{capability}")
     return 0
 

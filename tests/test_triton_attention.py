@@ -75,12 +75,12 @@ def test_triton_matches_torch_backend(group, head_dim, split_kv):
                                    msg=lambda m: f"query_lens={query_lens} context_lens={context_lens}: {m}")
 
 
-def test_triton_block_size_32_and_block_edges():
-    """Contexts that end exactly on, just before and just after a block edge, with a larger block."""
-    rng = torch.Generator().manual_seed(7)
-    bs = 32
-    layout = random_layout(rng, 64, bs, [1, 1, 1, 32, 64, 33], [32, 31, 33, 64, 96, 33])
-    expected, got, _, _ = run_both(layout, 6, 2, 64, bs, 64, torch.float32, DEVICE, rng)
+@pytest.mark.parametrize("bs", [8, 32])
+def test_triton_other_block_sizes_and_block_edges(bs):
+    """Contexts that end exactly on, just before and just after a block edge; key tiles span several blocks."""
+    rng = torch.Generator().manual_seed(bs)
+    layout = random_layout(rng, 128, bs, [1, 1, 1, bs, 2 * bs, bs + 1], [bs, bs - 1, bs + 1, 2 * bs, 3 * bs, bs + 1])
+    expected, got, _, _ = run_both(layout, 6, 2, 64, bs, 128, torch.float32, DEVICE, rng)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 

@@ -59,7 +59,7 @@ def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_c
                             stride_block, stride_slot, stride_head, stride_table,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+                            TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -82,25 +82,27 @@ def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_c
     q_pos = seq_len - q_len + q_index  # absolute position: sees keys at positions <= its own
 
     # Keys up to the tile's last real query; a tile past its sequence's query (padding) reads none.
-    last_pos = seq_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
-    num_blocks = tl.where(tile_start < q_len, last_pos // BLOCK_SIZE + 1, 0)
-    # Split-KV decode: this program walks one contiguous share of the blocks (all of them when unsplit).
-    per_segment = tl.cdiv(num_blocks, NUM_SEGMENTS)
-    first_block = segment * per_segment
-    last_block = tl.minimum(first_block + per_segment, num_blocks)
+    kv_len = tl.where(tile_start < q_len, seq_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len), 0)
+    # Keys go TILE_N at a time, whatever the block size: each key finds its block in the table.
+    # Split-KV decode: this program walks one contiguous share of the key tiles (all when unsplit).
+    num_kv_tiles = tl.cdiv(kv_len, TILE_N)
+    per_segment = tl.cdiv(num_kv_tiles, NUM_SEGMENTS)
+    first_tile = segment * per_segment
+    last_tile = tl.minimum(first_tile + per_segment, num_kv_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    slots = tl.arange(0, BLOCK_SIZE)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
-    for b in range(first_block, last_block):
-        block = tl.load(table + b).to(tl.int64)
-        offsets = block * stride_block + slots[:, None] * stride_slot + kv_head * stride_head + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=d_ok[None, :], other=0.0)
+    for kv_tile in range(first_tile, last_tile):
+        k_pos = kv_tile * TILE_N + tl.arange(0, TILE_N)
+        k_ok = k_pos < kv_len
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        offsets = (block[:, None] * stride_block + (k_pos % BLOCK_SIZE)[:, None] * stride_slot
+                   + kv_head * stride_head + d[None, :])
+        k = tl.load(k_cache_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        k_pos = b * BLOCK_SIZE + slots
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -168,9 +170,9 @@ class TritonAttention:
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  split_kv: bool = True):
-        if block_size < 16:
-            raise ValueError(f"the triton attention backend needs block_size >= 16, got {block_size}")
         self.block_size = block_size
+        # Keys per inner step: 64 in half precision; 32 in float32, whose K and V tiles take twice the shared memory.
+        self.tile_n = 32 if dtype == torch.float32 else 64
         self.num_heads = num_heads
         self.group = num_heads // num_kv_heads
         self.group_pad = _pow2(self.group)
@@ -251,7 +253,7 @@ class TritonAttention:
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), metadata.block_tables.stride(0),
             GROUP=self.group, GROUP_PAD=self.group_pad, BLOCK_Q=metadata.block_q,
             BLOCK_M=metadata.block_q * self.group_pad, HEAD_DIM=self.head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=self.block_size, NUM_SEGMENTS=segments, PRECISION=self.precision)
+            BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, NUM_SEGMENTS=segments, PRECISION=self.precision)
         if segments > 1:
             _merge_segments_kernel[(q.shape[0], self.num_heads)](
                 out, partial_acc, partial_ml, self.num_heads, out.stride(0), out.stride(1),
