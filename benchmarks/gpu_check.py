@@ -103,12 +103,11 @@ def time_ms(fn, device: torch.device, repeats: int) -> float:
     return 1000 * float(np.median(times))
 
 
-def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats: int) -> list[dict[str, Any]]:
-    """One attention layer (K/V write plus attention), Triton vs the torch backend, per shape."""
+def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats: int, emit) -> None:
+    """One attention layer (K/V write plus attention), Triton vs the torch backend, per shape; emit(row) each."""
     from worker.triton_attention import TritonAttention
 
     rng = np.random.default_rng(0)
-    rows = []
     cases = [(h, s) for h in cfg["kernel_heads"] for s in cfg["kernel_shapes"]]
     for (num_heads, num_kv_heads, head_dim), (label, query_lens, context_lens) in tqdm(cases, desc="kernels"):
         bs = 16
@@ -138,14 +137,14 @@ def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats:
             meta = backend.prepare(layout)
             row[f"{name}_ms"] = time_ms(lambda: backend.forward(0, q, k, v, cache, meta), device, repeats)
         row["speedup"] = row["torch_ms"] / row["triton_ms"]
-        rows.append(row)
-    return rows
+        emit(row)
 
 
 def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, bandwidth: float,
-                 enforce_eager: bool) -> list[dict[str, Any]]:
+                 enforce_eager: bool, emit) -> None:
     """Decode tokens/s at each batch size: every sequence decoding (greedy, no EOS) from a
-    decode_context-token prompt, timed over decode_steps steps after three untimed ones."""
+    decode_context-token prompt, timed over decode_steps steps after three untimed ones. emit(row)
+    per batch size, so that a later failure keeps the rows measured before it."""
     # No detokenization: this measures the model step and its scheduling, not text assembly.
     engine = LLMEngine(EngineConfig(model=str(model_dir), device=device.type, attention_backend="triton",
                                     enforce_eager=enforce_eager, gpu_memory_utilization=0.45,
@@ -155,7 +154,6 @@ def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, b
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * engine.kv_cache.k.element_size()
     rng = np.random.default_rng(1)
-    rows = []
     for batch in cfg["decode_batches"]:
         steps, context = cfg["decode_steps"], cfg["decode_context"]
         # Long enough that no sequence finishes while later prompts prefill or during the timed steps.
@@ -185,13 +183,12 @@ def decode_rates(model_dir: Path, shape: str, cfg: dict, device: torch.device, b
         step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
         roofline = batch * bandwidth / step_bytes
         rate = batch * steps / seconds
-        rows.append({"model": shape, "graphs": engine.runner.graphs is not None, "batch": batch,
+        emit({"model": shape, "graphs": engine.runner.graphs is not None, "batch": batch,
                      "context": round(mean_context), "step_ms": 1000 * seconds / steps, "tokens_per_s": rate,
                      "roofline_tokens_per_s": roofline, "fraction_of_roofline": rate / roofline,
                      "weight_mb": weight_bytes / 1e6, "kv_mb_per_step": (step_bytes - weight_bytes) / 1e6})
     del engine
     release(device)
-    return rows
 
 
 def release(device: torch.device) -> None:
@@ -263,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check"), help="report folder")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script only")
-    parser.add_argument("--budget-s", type=float, default=250.0,
-                        help="skip a section that, by its estimate, would end after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=200.0,
+                        help="skip a section that, by its estimate, would end more than this many seconds from now")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="the same as a Unix time (gpu_check.sh passes it, counting the imports too)")
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -275,23 +274,40 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (first import)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    # gpu_check.sh stops a run that overstays with SIGTERM: exit through the finally below, which
-    # writes what was measured so far.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    deadline = args.deadline or time.time() + args.budget_s
+    stopping = False
+
+    def stop(*_) -> None:
+        """gpu_check.sh's timeout sends SIGTERM: leave through the finally below, which writes the report."""
+        nonlocal stopping
+        stopping = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the report short
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
     import triton
 
-    results: dict[str, Any] = {"smoke": args.smoke, "skipped": [], "errors": {},
+    results: dict[str, Any] = {"smoke": args.smoke, "skipped": [], "errors": {}, "kernels": [], "decode": [],
                                "throughput_shape": cfg["throughput_shape"], "wall_seconds": 0.0,
                                "environment": {
                                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                                    "torch": torch.__version__, "triton": triton.__version__,
                                    "dtype": str(dtype).removeprefix("torch.")}}
 
+    def save() -> None:
+        results["wall_seconds"] = time.perf_counter() - start
+        write_report(results, args.out)
+
+    def emit_to(key: str):
+        def emit(row: dict[str, Any]) -> None:
+            results[key].append(row)
+            save()
+        return emit
+
     def run_section(section: str, estimate_s: float, fn) -> Any:
-        """fn's result, or None when it would overrun the budget or it fails: one section's failure
-        must not cost the others' numbers on a machine lent for minutes. The report is rewritten
-        after every section."""
-        if time.perf_counter() - start + estimate_s > args.budget_s:
+        """fn's result, or None when it would end past the deadline, the run is stopping, or it
+        fails: one section's failure must not cost the others' numbers on a machine lent for minutes."""
+        if stopping or time.time() + estimate_s > deadline:
             results["skipped"].append(section)
             return None
         value = None
@@ -304,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             release(device)  # outside the except block: the traceback no longer holds the section's tensors
         except Exception as exc:  # noqa: BLE001 - a sticky CUDA error surfaces here again
             results["errors"].setdefault(section, f"{type(exc).__name__}: {exc}")
-        results["wall_seconds"] = time.perf_counter() - start
-        write_report(results, args.out)
+        save()
         return value
 
     def bandwidths() -> None:
@@ -313,31 +328,41 @@ def main(argv: list[str] | None = None) -> int:
         results["environment"].update(bandwidth_tb_s=bandwidth / 1e12, bandwidth_source=source,
                                       copy_tb_s=copy_bandwidth(device) / 1e12)
 
-    def write_models(tmp: str) -> None:
-        for shape in {*cfg["decode_models"], cfg["throughput_shape"]}:
-            write_random_llama(Path(tmp) / shape, shape, device=device.type, dtype=dtype)
+    def model_dir(tmp: str, shape: str) -> Path:
+        """The random-weight model of this shape, written on first use."""
+        path = Path(tmp) / shape
+        if not path.exists():
+            write_random_llama(path, shape, device=device.type, dtype=dtype)
             release(device)
+        return path
+
+    def decode(tmp: str, shape: str, eager: bool) -> None:
+        bandwidth = results["environment"].get("bandwidth_tb_s", math.nan) * 1e12
+        run_section(f"decode {shape} {'eager' if eager else 'graphs'}", 30 if shape == cfg["throughput_shape"] else 45,
+                    lambda: decode_rates(model_dir(tmp, shape), shape, cfg, device, bandwidth, eager,
+                                         emit_to("decode")))
 
     try:
         with tempfile.TemporaryDirectory(prefix="metroserve-gpu-check-") as tmp:
+            # What the issue asks for first (kernels; the default model's decode, graphs on and off;
+            # throughput), then the larger model's decode while time is left.
             run_section("bandwidth", 5, bandwidths)
-            bandwidth = results["environment"].get("bandwidth_tb_s", math.nan) * 1e12
-            results["kernels"] = run_section(
-                "kernels", 40, lambda: kernel_timings(cfg, device, dtype, repeats=3 if args.smoke else 20)) or []
-            run_section("random-weight models", 20, lambda: write_models(tmp))
-            results["decode"] = []
-            for shape in cfg["decode_models"]:
-                for eager in (False, True):
-                    results["decode"] += run_section(
-                        f"decode {shape} {'eager' if eager else 'graphs'}", 25 if shape == "smollm2-135m" else 35,
-                        lambda: decode_rates(Path(tmp) / shape, shape, cfg, device, bandwidth, eager)) or []
-            throughput = run_section("throughput", 100, lambda: offline_throughput(
-                Path(tmp) / cfg["throughput_shape"], cfg, device, args.out / "throughput.json"))
+            run_section("kernels", 35, lambda: kernel_timings(cfg, device, dtype, 3 if args.smoke else 20,
+                                                              emit_to("kernels")))
+            for eager in (False, True):
+                decode(tmp, cfg["throughput_shape"], eager)
+            throughput = run_section("throughput", 80, lambda: offline_throughput(
+                model_dir(tmp, cfg["throughput_shape"]), cfg, device, args.out / "throughput.json"))
             if throughput is not None:
                 results["throughput"] = throughput
                 for peer, error in throughput["failed_peers"].items():
                     results["errors"][f"throughput peer {peer}"] = error
+            for shape in cfg["decode_models"]:
+                if shape != cfg["throughput_shape"]:
+                    for eager in (False, True):
+                        decode(tmp, shape, eager)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         results["wall_seconds"] = time.perf_counter() - start
         print(write_report(results, args.out))
     return 1 if results["errors"] else 0

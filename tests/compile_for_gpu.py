@@ -35,15 +35,20 @@ SHARED_MEMORY_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, capability: int) -> int:
     """Compile one variant; returns the shared memory it needs."""
-    signature = {}
-    for name in kernel.arg_names:
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        # At launch Triton marks 16-divisible pointers and integers (every pointer and stride here,
+        # for head_dim 64 and 128; the table stride is never specialized): compile that variant,
+        # whose K/V loads are the pipelined ones.
+        if name.endswith("_ptr") or (name.startswith("stride_") and name != "stride_table"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = _POINTERS.get(name, f"*{dtype}")
         else:
             signature[name] = "fp32" if name == "scale_log2" else "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32))
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", capability, 32))
     return compiled.metadata.shared
 
 

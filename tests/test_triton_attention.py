@@ -75,7 +75,7 @@ def test_triton_matches_torch_backend(group, head_dim, split_kv):
                                    msg=lambda m: f"query_lens={query_lens} context_lens={context_lens}: {m}")
 
 
-@pytest.mark.parametrize("bs", [8, 32])
+@pytest.mark.parametrize("bs", [8, 32, 128])  # smaller than, equal to and larger than a key tile
 def test_triton_other_block_sizes_and_block_edges(bs):
     """Contexts that end exactly on, just before and just after a block edge; key tiles span several blocks."""
     rng = torch.Generator().manual_seed(bs)

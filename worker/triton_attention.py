@@ -94,10 +94,16 @@ def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_c
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
+    # The block ids of a key tile are loaded one iteration ahead: K/V addresses that depended on a
+    # load of the same iteration would keep the pipeliner from overlapping K/V loads with compute.
+    next_pos = first_tile * TILE_N + tl.arange(0, TILE_N)
+    next_block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < kv_len, other=0)
     for kv_tile in range(first_tile, last_tile):
         k_pos = kv_tile * TILE_N + tl.arange(0, TILE_N)
         k_ok = k_pos < kv_len
-        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        block = next_block.to(tl.int64)
+        next_pos = k_pos + TILE_N
+        next_block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < kv_len, other=0)
         offsets = (block[:, None] * stride_block + (k_pos % BLOCK_SIZE)[:, None] * stride_slot
                    + kv_head * stride_head + d[None, :])
         k = tl.load(k_cache_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
