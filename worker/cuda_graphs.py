@@ -14,8 +14,6 @@ a GPU.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -25,9 +23,7 @@ from worker.kv_cache import KVCache
 from worker.model import LlamaForCausalLM
 from worker.triton_attention import TritonAttention, TritonMetadata
 
-logger = logging.getLogger(__name__)
-
-# vLLM's capture sizes: every small batch, then steps of 8 and 16 (a padded step wastes little).
+# 1, 2, 4, then steps of 8 up to 32 and of 16 beyond, as vLLM does: a padded step wastes little.
 CAPTURE_SIZES = [1, 2, 4] + list(range(8, 32, 8)) + list(range(32, 513, 16))
 
 
