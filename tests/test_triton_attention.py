@@ -181,3 +181,19 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                             env=env, cwd=root, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled 30 kernel variants for sm_90" in result.stdout
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_profile_batch_runs_through_the_model(tiny_model_dir, backend):
+    """The step that sizes the KV pool on CUDA: 40 tokens as prompts of at most 16, each in its own blocks."""
+    from worker.gpu_memory import profile_batch
+
+    llm = LLM(str(tiny_model_dir), attention_backend=backend, device=DEVICE.type, dtype="float32", enforce_eager=True)
+    engine = llm.engine
+    input_ids, positions, layout, num_blocks = profile_batch(40, 16, 16, DEVICE)
+    assert layout.query_lens == [16, 16, 8] and num_blocks == 3
+    assert positions.tolist() == list(range(16)) * 2 + list(range(8))
+    assert sorted(layout.slot_mapping.tolist()) == list(range(40))  # every token its own slot
+    with torch.inference_mode():
+        hidden = engine.model(input_ids, positions, engine.attention, engine.kv_cache, engine.attention.prepare(layout))
+    assert hidden.shape == (40, engine.model_config.hidden_size) and torch.isfinite(hidden).all()

@@ -87,9 +87,8 @@ class LLMEngine:
                                               draft_backend)
 
         bs = config.block_size
-        attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.num_heads,
-                                           mcfg.num_kv_heads, mcfg.head_dim)
-        self.attention = attention  # the backend object (config.attention_backend names it)
+        self.attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.num_heads,
+                                                mcfg.num_kv_heads, mcfg.head_dim)
         num_blocks = config.num_gpu_blocks_override or self._num_blocks_for_budget()
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
@@ -107,11 +106,11 @@ class LLMEngine:
             from worker.cuda_graphs import CudaGraphRunner
             from worker.triton_attention import TritonAttention
 
-            if isinstance(attention, TritonAttention):
-                graphs = CudaGraphRunner(self.model, self.kv_cache, attention, config.max_num_seqs,
+            if isinstance(self.attention, TritonAttention):
+                graphs = CudaGraphRunner(self.model, self.kv_cache, self.attention, config.max_num_seqs,
                                          -(-self.max_model_len // bs), self.device)
                 graphs.capture()
-        self.runner = ModelRunner(self.model, self.kv_cache, attention, sampler, self.device, self.drafter, graphs)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, sampler, self.device, self.drafter, graphs)
         self.speculator = Speculator(spec_config, self.max_model_len) if spec_config is not None else None
         self.requests: dict[str, Request] = {}
         self.metrics = None if config.disable_log_stats else EngineMetrics()

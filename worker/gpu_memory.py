@@ -20,16 +20,12 @@ from worker.model import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 
-@torch.inference_mode()
-def profile_step_peak(model: LlamaForCausalLM, attention: AttentionBackend, num_tokens: int, max_model_len: int,
-                      num_sampled: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Peak bytes allocated on the device during one max-size step, not counting its throwaway pool."""
-    cfg = model.cfg
-    # The tokens as prompts of at most max_model_len, each in its own blocks.
+def profile_batch(num_tokens: int, max_model_len: int, block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, BatchLayout, int]:
+    """The largest step: num_tokens prompt tokens as prompts of at most max_model_len, each in its
+    own blocks. Returns input ids, positions, the layout and the number of blocks it needs."""
     lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
     blocks = [-(-n // block_size) for n in lens]
-    pool = KVCache(cfg.num_layers, sum(blocks), block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    pool_bytes = pool.k.numel() * pool.k.element_size() * 2
     first_block = np.cumsum([0] + blocks[:-1])
     tables = [list(range(f, f + b)) for f, b in zip(first_block.tolist(), blocks)]
     table_tensor = torch.zeros((len(lens), max(blocks)), dtype=torch.long)
@@ -40,10 +36,21 @@ def profile_step_peak(model: LlamaForCausalLM, attention: AttentionBackend, num_
                             for t, n in zip(tables, lens)])
     layout = BatchLayout(np.cumsum([0] + lens[:-1]).tolist(), lens, lens, tables, table_tensor.to(device),
                          torch.from_numpy(slots).to(device))
+    return (torch.zeros(num_tokens, dtype=torch.long, device=device), torch.from_numpy(positions).to(device), layout,
+            sum(blocks))
+
+
+@torch.inference_mode()
+def profile_step_peak(model: LlamaForCausalLM, attention: AttentionBackend, num_tokens: int, max_model_len: int,
+                      num_sampled: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Peak bytes allocated on the device during one max-size step, not counting its throwaway pool."""
+    cfg = model.cfg
+    input_ids, positions, layout, num_blocks = profile_batch(num_tokens, max_model_len, block_size, device)
+    pool = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    pool_bytes = pool.k.numel() * pool.k.element_size() * 2
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), torch.from_numpy(positions).to(device),
-                   attention, pool, attention.prepare(layout))
+    hidden = model(input_ids, positions, attention, pool, attention.prepare(layout))
     model.compute_logits(hidden[: min(num_sampled, num_tokens)])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - pool_bytes

@@ -35,7 +35,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, attention: AttentionBackend, sampler: Sampler,
-                 device: torch.device, drafter: DraftModelProposer | None = None, graphs: "CudaGraphRunner | None" = None):
+                 device: torch.device, drafter: DraftModelProposer | None = None, graphs: CudaGraphRunner | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention

@@ -156,7 +156,7 @@ class TritonMetadata:
     tile_seq: torch.Tensor  # [tiles] int32: the sequence of each query tile
     tile_start: torch.Tensor  # [tiles] int32: the tile's first query token inside its sequence
     block_q: int
-    num_segments: int = 1  # > 1: split-KV decode (each tile's blocks shared among this many programs)
+    num_segments: int = 1  # > 1: split-KV decode (each tile's key tiles shared among this many programs)
 
 
 def _pow2(n: int) -> int:
