@@ -89,16 +89,23 @@ def sync(device: torch.device) -> None:
 
 
 def time_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of fn after two warm-up calls."""
+    """Median milliseconds per call of fn after two warm-up calls. Each sample runs enough calls back
+    to back (at least 1 ms of them) that a small shape measures the kernels, not one sync's latency."""
     fn()
     fn()
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    calls = max(1, min(50, int(1e-3 / max(time.perf_counter() - start, 1e-6))))
     times = []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return 1000 * float(np.median(times))
 
 

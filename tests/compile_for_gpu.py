@@ -55,7 +55,8 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, capability: int) -> int
 def variants() -> list[tuple[object, str, dict]]:
     out = []
     for dtype, torch_dtype, precision in (("fp32", torch.float32, "ieee"), ("bf16", torch.bfloat16, "tf32")):
-        for num_heads, num_kv_heads, head_dim in ((4, 4, 64), (9, 3, 64), (32, 4, 128)):
+        # The tiny test model (4/2 heads x 16), SmolLM2 and Llama-3-like layouts.
+        for num_heads, num_kv_heads, head_dim in ((4, 2, 16), (4, 4, 64), (9, 3, 64), (32, 4, 128)):
             backend = TritonAttention(16, num_heads, num_kv_heads, head_dim, torch_dtype)
             common = dict(GROUP=backend.group, GROUP_PAD=backend.group_pad, HEAD_DIM=head_dim,
                           HEAD_DIM_PAD=_pow2(head_dim), BLOCK_SIZE=16, TILE_N=backend.tile_n, PRECISION=precision)

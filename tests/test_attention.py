@@ -25,12 +25,15 @@ def random_layout(rng: torch.Generator, num_blocks: int, bs: int, query_lens: li
     return BatchLayout(starts, list(query_lens), list(context_lens), tables, padded, torch.tensor(slots))
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32)])
-def test_cpu_kernel_matches_torch_backend(num_heads, num_kv_heads, head_dim):
+# Block sizes other than 16 and contexts that are not multiples of 8 exercise the row lookup, the
+# 8-key vector loop and its scalar tail; head_dim 128 takes the values in two 64-dim chunks.
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, bs",
+                         [(4, 4, 16, 16), (9, 3, 64, 16), (8, 1, 32, 16), (16, 2, 128, 32), (6, 2, 64, 8)])
+def test_cpu_kernel_matches_torch_backend(num_heads, num_kv_heads, head_dim, bs):
     if load_cpu_kernel() is None:
         pytest.skip("no C++ toolchain for the CPU kernel")
     rng = torch.Generator().manual_seed(num_heads)
-    bs, num_blocks = 16, 200
+    num_blocks = 3200 // bs
     cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
     cache.k.normal_(generator=rng)
     cache.v.normal_(generator=rng)

@@ -201,8 +201,7 @@ def make_attention_backend(name: str, block_size: int, device: torch.device, dty
 
         # Split-KV fills a GPU's SMs; in the interpreter it would only multiply the programs run one by one.
         return TritonAttention(block_size, num_heads, num_kv_heads, head_dim, dtype, split_kv=device.type == "cuda")
-    gqa_group = num_heads // num_kv_heads
-    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32 and CpuAttention.supports(head_dim, gqa_group):
+    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32 and CpuAttention.supports(head_dim):
         if load_cpu_kernel(required=name == "cpu") is not None:
             return CpuAttention(block_size)
     if name in ("auto", "torch"):

@@ -75,9 +75,9 @@ class CpuMetadata:
 
 class CpuAttention(TorchAttention):
     @staticmethod
-    def supports(head_dim: int, gqa_group: int) -> bool:
+    def supports(head_dim: int) -> bool:
         """The shapes the kernel is instantiated for (see csrc/paged_decode_attention.cpp)."""
-        return head_dim in (16, 32, 64, 128, 256) and gqa_group <= 16
+        return head_dim in (16, 32, 64, 128, 256)
 
     def prepare(self, layout: BatchLayout) -> CpuMetadata:
         rows = query_rows(layout)

@@ -1,42 +1,132 @@
 // Paged decode attention on CPU: one query token per sequence attends over its context, read
-// straight from the block pool through the block table (no gather copy). One task per
-// (sequence, KV head) serves all query heads of that GQA group with an exact two-pass softmax;
-// head_dim is a template parameter so the per-head accumulators stay in registers.
+// straight from the block pool through the block table (no gather copy), with an exact two-pass
+// softmax. A task is one sequence (or one of its KV heads when there are few sequences); head_dim
+// is a template parameter so loops over it unroll and accumulators stay in registers.
+//
+// With AVX2+FMA (every x86 machine this project has run on): keys are dotted 8 at a time with
+// independent accumulators and one transposed horizontal sum, every query head uses a key or value
+// row while it is in L1, and rows are prefetched ahead, since the hardware prefetcher cannot follow
+// a block table. Against the earlier loop (one accumulator per key, one task per KV head), on a
+// 2-core Zen 3, 48 sequences of ~420 tokens: 30 layers with the pool in DRAM 78 -> 70 ms, one
+// layer in L3 2.2 -> 1.3 ms. The portable loops are the fallback for other CPUs and the last keys.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+// Pool offset of each context token's row (block table lookup done once per task, not per head).
+static void row_offsets(const int64_t* table, int64_t L, int64_t bs, int64_t token_stride, int64_t* rows) {
+  for (int64_t t = 0; t < L; ++t) rows[t] = (table[t / bs] * bs + t % bs) * token_stride;
+}
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Rows of a context are scattered over blocks, which the hardware prefetcher cannot follow.
+static inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+#endif
+
+// scores[g * L + t] = scale * q_g . k_t for every query head g of the group. Keys are taken 8 at a
+// time and all heads of the group use them while they are in L1 (a long context's keys do not fit
+// in L2, so one pass per head would read them from memory again).
 template <int D>
-static void decode_task(const float* qb, const float* kp, const float* vp, const int64_t* table, int64_t L,
-                        int64_t bs, int64_t token_stride, int64_t h, int64_t G, float scale, float* scores,
-                        float* ob) {
-  float acc[kMaxGroup][D];
-  float maxs[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) maxs[g] = -INFINITY;
-  for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    const int64_t n = std::min(bs, L - t0);
-    const float* kblock = kp + table[t0 / bs] * bs * token_stride + h * D;
-    for (int64_t g = 0; g < G; ++g) {
+static void key_scores(const float* qb, const float* kp, const int64_t* rows, int64_t L, int64_t NQ, int64_t G,
+                       float scale, float* scores) {
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (; t + 8 <= L; t += 8) {
+    const float* k[8];
+    for (int j = 0; j < 8; ++j) k[j] = kp + rows[t + j];
+    for (int64_t j = t + 16; j < std::min(L, t + 24); ++j) prefetch_row(kp + rows[j], NQ / G * D);
+    for (int64_t g = 0; g < NQ; ++g) {
       const float* qg = qb + g * D;
-      float* sg = scores + g * L + t0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* k = kblock + i * token_stride;
-        float s = 0.f;
+      const int64_t kh = g / G * D;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + kh + d), acc[j]);
+      }
+      // Transposed horizontal sum: lane j of the result is the sum of acc[j]'s lanes.
+      const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+      const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+      const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
+      _mm256_storeu_ps(scores + g * L + t, _mm256_mul_ps(sums, vscale));
+    }
+  }
+#endif
+  for (; t < L; ++t) {
+    for (int64_t g = 0; g < NQ; ++g) {
+      const float* qg = qb + g * D;
+      const float* k = kp + rows[t] + g / G * D;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int d = 0; d < D; ++d) s += qg[d] * k[d];
-        s *= scale;
-        sg[i] = s;
-        maxs[g] = s > maxs[g] ? s : maxs[g];
+      for (int d = 0; d < D; ++d) s += qg[d] * k[d];
+      scores[g * L + t] = s * scale;
+    }
+  }
+}
+
+// ob[g] = sum_t p[g * L + t] * v_t / sums[g]. Values are taken 32 at a time, used by every head of
+// the group while in L1; each head's sums are carried in registers 64 dims at a time.
+template <int D>
+static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int64_t NQ, int64_t G, const float* p,
+                            const float* sums, float* ob) {
+  constexpr int kChunk = D < 64 ? D : 64;
+  constexpr int64_t kTile = 32;
+  for (int64_t i = 0; i < NQ * D; ++i) ob[i] = 0.f;
+  for (int64_t t0 = 0; t0 < L; t0 += kTile) {
+    const int64_t t1 = std::min(L, t0 + kTile);
+    for (int64_t g = 0; g < NQ; ++g) {
+      const float* pg = p + g * L;
+      const int64_t vh = g / G * D;
+      for (int c = 0; c < D; c += kChunk) {
+        float* og = ob + g * D + c;
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 acc[kChunk / 8];
+        for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_loadu_ps(og + 8 * i);
+        if (g == 0 && c == 0) {
+          for (int64_t t = t1; t < std::min(L, t1 + kTile); ++t) prefetch_row(vp + rows[t], NQ / G * D);
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          const __m256 w = _mm256_set1_ps(pg[t]);
+          const float* v = vp + rows[t] + vh + c;
+          for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < kChunk / 8; ++i) _mm256_storeu_ps(og + 8 * i, acc[i]);
+#else
+        for (int64_t t = t0; t < t1; ++t) {
+          const float w = pg[t];
+          const float* v = vp + rows[t] + vh + c;
+#pragma omp simd
+          for (int d = 0; d < kChunk; ++d) og[d] += w * v[d];
+        }
+#endif
       }
     }
   }
-  float sums[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < NQ; ++g) {
+    const float inv = 1.f / sums[g];
+    for (int d = 0; d < D; ++d) ob[g * D + d] *= inv;
+  }
+}
+
+// Query heads [0, NQ) of one sequence: head i reads KV head i / G of each row.
+template <int D>
+static void decode_task(const float* qb, const float* kp, const float* vp, const int64_t* rows, int64_t L, int64_t NQ,
+                        int64_t G, float scale, float* scores, float* sums, float* ob) {
+  key_scores<D>(qb, kp, rows, L, NQ, G, scale, scores);
+  for (int64_t g = 0; g < NQ; ++g) {
     float* sg = scores + g * L;
-    const float m = maxs[g];
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < L; ++t) {
@@ -44,24 +134,8 @@ static void decode_task(const float* qb, const float* kp, const float* vp, const
       total += sg[t];
     }
     sums[g] = total;
-    for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
   }
-  for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    const int64_t n = std::min(bs, L - t0);
-    const float* vblock = vp + table[t0 / bs] * bs * token_stride + h * D;
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = vblock + i * token_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * L + t0 + i];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] += p * v[d];
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / sums[g];
-    for (int d = 0; d < D; ++d) ob[g * D + d] = acc[g][d] * inv;
-  }
+  weighted_values<D>(vp, rows, L, NQ, G, scores, sums, ob);
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] float32
@@ -76,7 +150,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = H / Hkv;
-  TORCH_CHECK(G <= kMaxGroup, "at most ", kMaxGroup, " query heads per KV head");
   TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "head_dim must be 16, 32, 64, 128 or 256");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
@@ -88,22 +161,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t max_blocks = tables.size(1);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  // A task is a whole sequence, so each row is read in one piece (every KV head), unless there are
+  // too few sequences to keep the threads busy: then one task per (sequence, KV head).
+  const int64_t kv_per_task = B >= 2 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_seq = Hkv / kv_per_task;
+  at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, sums(kv_per_task * G);
+    std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t b = task / tasks_per_seq, h = task % tasks_per_seq * kv_per_task;
       const int64_t L = lp[b];
-      scores.resize(G * L);
+      const int64_t nq = kv_per_task * G;
+      scores.resize(nq * L);
+      rows.resize(L);
+      row_offsets(tp + b * max_blocks, L, bs, Hkv * D, rows.data());
       const float* qb = qp + (b * H + h * G) * D;
+      const float* kh = kp + h * D;  // the task's first KV head in every row
+      const float* vh = vp + h * D;
       float* ob = op + (b * H + h * G) * D;
-      const int64_t* table = tp + b * max_blocks;
       const float s = static_cast<float>(scale);
       switch (D) {
-        case 16: decode_task<16>(qb, kp, vp, table, L, bs, Hkv * D, h, G, s, scores.data(), ob); break;
-        case 32: decode_task<32>(qb, kp, vp, table, L, bs, Hkv * D, h, G, s, scores.data(), ob); break;
-        case 64: decode_task<64>(qb, kp, vp, table, L, bs, Hkv * D, h, G, s, scores.data(), ob); break;
-        case 128: decode_task<128>(qb, kp, vp, table, L, bs, Hkv * D, h, G, s, scores.data(), ob); break;
-        default: decode_task<256>(qb, kp, vp, table, L, bs, Hkv * D, h, G, s, scores.data(), ob);
+        case 16: decode_task<16>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
+        case 32: decode_task<32>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
+        case 64: decode_task<64>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
+        case 128: decode_task<128>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
+        default: decode_task<256>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob);
       }
     }
   });
