@@ -47,6 +47,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     missing = model.expected_loads() - loaded
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
+    model.pack_cpu_weights()
     return model.eval()
 
 
