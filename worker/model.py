@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
                 or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
             return
-        pack = torch.ops.mkldnn._reorder_linear_weight  # the batch-size hint only picks the packed layout
+        pack = torch.ops.mkldnn._reorder_linear_weight  # packed in the layout oneDNN picks for 64-row inputs
         for layer in self.layers:
             layer.gate_up_packed = pack(layer.gate_up_proj.weight.detach(), 64)
         self.lm_head_packed = pack(self.lm_head_weight().detach(), 64)
