@@ -30,9 +30,9 @@ static inline void prefetch_row(const float* row, int64_t n) {
 }
 #endif
 
-// scores[g * L + t] = scale * q_g . k_t for every query head g of the group. Keys are taken 8 at a
-// time and all heads of the group use them while they are in L1 (a long context's keys do not fit
-// in L2, so one pass per head would read them from memory again).
+// scores[g * L + t] = scale * q_g . k_t for every query head g of the task. Keys are taken 8 at a
+// time and every head uses them while they are in L1 (a long context's keys do not fit in L2, so
+// one pass per head would read them from memory again).
 template <int D>
 static void key_scores(const float* qb, const float* kp, const int64_t* rows, int64_t L, int64_t NQ, int64_t G,
                        float scale, float* scores) {
@@ -75,7 +75,7 @@ static void key_scores(const float* qb, const float* kp, const int64_t* rows, in
 }
 
 // ob[g] = sum_t p[g * L + t] * v_t / sums[g]. Values are taken 32 at a time, used by every head of
-// the group while in L1; each head's sums are carried in registers 64 dims at a time.
+// the task while in L1; each head's sums are carried in registers 64 dims at a time.
 template <int D>
 static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int64_t NQ, int64_t G, const float* p,
                             const float* sums, float* ob) {
@@ -84,6 +84,9 @@ static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int
   for (int64_t i = 0; i < NQ * D; ++i) ob[i] = 0.f;
   for (int64_t t0 = 0; t0 < L; t0 += kTile) {
     const int64_t t1 = std::min(L, t0 + kTile);
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int64_t t = t1; t < std::min(L, t1 + kTile); ++t) prefetch_row(vp + rows[t], NQ / G * D);
+#endif
     for (int64_t g = 0; g < NQ; ++g) {
       const float* pg = p + g * L;
       const int64_t vh = g / G * D;
@@ -92,9 +95,6 @@ static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int
 #if defined(__AVX2__) && defined(__FMA__)
         __m256 acc[kChunk / 8];
         for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_loadu_ps(og + 8 * i);
-        if (g == 0 && c == 0) {
-          for (int64_t t = t1; t < std::min(L, t1 + kTile); ++t) prefetch_row(vp + rows[t], NQ / G * D);
-        }
         for (int64_t t = t0; t < t1; ++t) {
           const __m256 w = _mm256_set1_ps(pg[t]);
           const float* v = vp + rows[t] + vh + c;
