@@ -151,21 +151,24 @@ def test_smollm2_preemption(smollm2_dir, smollm2_ref, smol_prompts):
 
 
 def test_cpu_model_uses_packed_weights_with_plain_matmul_results(tiny_model_dir):
-    """float32 on CPU: gate/up and the vocabulary head run through oneDNN pre-packed weights (the
-    decode-speed path) and agree with plain matmuls; other dtypes keep plain matmuls."""
+    """float32 on CPU: every projection and the vocabulary head run through oneDNN pre-packed
+    weights (the decode-speed path) and agree with plain matmuls; other dtypes keep plain matmuls."""
     import torch
     import torch.nn.functional as F
 
-    from worker.model import linear
+    from worker.model import Linear
     from worker.model_loader import load_model
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
-    assert model.lm_head_packed is not None and all(layer.gate_up_packed is not None for layer in model.layers)
-    hidden = torch.randn(37, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    assert len(projections) == 4 * model.cfg.num_layers
+    assert model.lm_head_packed is not None and all(m.packed is not None for m in projections)
+    gen = torch.Generator().manual_seed(0)
     for rows in (1, 5, 37):  # decode-sized and larger batches through the same packed weight
-        expected = F.linear(model.norm(hidden[:rows]), model.lm_head_weight())
-        torch.testing.assert_close(model.compute_logits(hidden[:rows]), expected, atol=1e-4, rtol=1e-4)
-        layer = model.layers[0]
-        torch.testing.assert_close(linear(hidden[:rows], layer.gate_up_proj.weight, layer.gate_up_packed),
-                                   F.linear(hidden[:rows], layer.gate_up_proj.weight), atol=1e-4, rtol=1e-4)
+        hidden = torch.randn(rows, model.cfg.hidden_size, generator=gen)
+        expected = F.linear(model.norm(hidden), model.lm_head_weight())
+        torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)
+        for proj in projections[:4]:
+            x = torch.randn(rows, proj.in_features, generator=gen)
+            torch.testing.assert_close(proj(x), F.linear(x, proj.weight), atol=1e-4, rtol=1e-4)
     assert load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu")).lm_head_packed is None
