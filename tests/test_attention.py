@@ -1,4 +1,4 @@
-"""Attention backends agree: the compiled CPU kernel against the torch (SDPA) backend."""
+"""Attention backends agree: the compiled CPU kernels against the torch (SDPA) backend."""
 
 import pytest
 import torch
@@ -26,7 +26,8 @@ def random_layout(rng: torch.Generator, num_blocks: int, bs: int, query_lens: li
 
 
 # Block sizes other than 16 and contexts that are not multiples of 8 exercise the row lookup, the
-# 8-key vector loop and its scalar tail; head_dim 128 takes the values in two 64-dim chunks.
+# 8-key vector loop and its scalar tail; head_dim 128 takes the values in two 64-dim chunks; GQA
+# groups of 1, 3 and 8 give the prefill kernel query tiles of 64, 63 (padded) and 64 columns.
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, bs",
                          [(4, 4, 16, 16), (9, 3, 64, 16), (8, 1, 32, 16), (16, 2, 128, 32), (6, 2, 64, 8)])
 def test_cpu_kernel_matches_torch_backend(num_heads, num_kv_heads, head_dim, bs):
@@ -37,12 +38,15 @@ def test_cpu_kernel_matches_torch_backend(num_heads, num_kv_heads, head_dim, bs)
     cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
     cache.k.normal_(generator=rng)
     cache.v.normal_(generator=rng)
-    # Decodes with assorted context lengths (1, block edges, long), plus prefill chunks with and without context.
-    query_lens = [1, 1, 1, 1, 1, 7, 33, 1]
-    context_lens = [1, 16, 17, 300, 129, 7, 80, 2]
+    # Decodes with assorted context lengths (1, block edges, long), short chunks that attend row by
+    # row, and prefill chunks with and without earlier context: 150 and 200 rows span several of
+    # the prefill kernel's query tiles and 64-key tiles, with the diagonal inside a tile.
+    query_lens = [1, 1, 1, 1, 1, 7, 33, 1, 150, 200]
+    context_lens = [1, 16, 17, 300, 129, 7, 80, 2, 150, 523]
     layout = random_layout(rng, num_blocks, bs, query_lens, context_lens)
     total = sum(query_lens)
-    q = torch.randn(total, num_heads, head_dim, generator=rng)
+    # Q as the model passes it: a view of the fused Q/K rows, so rows are strided.
+    q = torch.randn(total, num_heads + num_kv_heads, head_dim, generator=rng)[:, :num_heads]
     k = torch.randn(total, num_kv_heads, head_dim, generator=rng)
     v = torch.randn(total, num_kv_heads, head_dim, generator=rng)
     torch_backend, cpu_backend = TorchAttention(bs, decode_group_size=3), CpuAttention(bs)

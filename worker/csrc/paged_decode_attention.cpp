@@ -203,7 +203,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
-}
