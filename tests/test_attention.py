@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from worker.attention import BatchLayout, TorchAttention
-from worker.cpu_attention import CpuAttention, load_cpu_kernel
+from worker.cpu_attention import CpuAttention
+from worker.cpu_kernels import load_cpu_kernels
 from worker.kv_cache import KVCache
 
 
@@ -31,7 +32,7 @@ def random_layout(rng: torch.Generator, num_blocks: int, bs: int, query_lens: li
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, bs",
                          [(4, 4, 16, 16), (9, 3, 64, 16), (8, 1, 32, 16), (16, 2, 128, 32), (6, 2, 64, 8)])
 def test_cpu_kernel_matches_torch_backend(num_heads, num_kv_heads, head_dim, bs):
-    if load_cpu_kernel() is None:
+    if load_cpu_kernels() is None:
         pytest.skip("no C++ toolchain for the CPU kernel")
     rng = torch.Generator().manual_seed(num_heads)
     num_blocks = 3200 // bs

@@ -191,7 +191,8 @@ class TorchAttention:
 def make_attention_backend(name: str, block_size: int, device: torch.device, dtype: torch.dtype,
                            num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     """auto: Triton on CUDA; on CPU the compiled kernel for float32 when it builds and fits the model, else torch."""
-    from worker.cpu_attention import CpuAttention, load_cpu_kernel
+    from worker.cpu_attention import CpuAttention
+    from worker.cpu_kernels import load_cpu_kernels
 
     if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_importable()):
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -202,7 +203,7 @@ def make_attention_backend(name: str, block_size: int, device: torch.device, dty
         # Split-KV fills a GPU's SMs; in the interpreter it would only multiply the programs run one by one.
         return TritonAttention(block_size, num_heads, num_kv_heads, head_dim, dtype, split_kv=device.type == "cuda")
     if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32 and CpuAttention.supports(head_dim):
-        if load_cpu_kernel(required=name == "cpu") is not None:
+        if load_cpu_kernels(required=name == "cpu") is not None:
             return CpuAttention(block_size)
     if name in ("auto", "torch"):
         return TorchAttention(block_size)

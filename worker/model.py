@@ -98,8 +98,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = None  # the compiled CPU kernels, when the model runs on them (use_cpu_kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x; with a residual, first residual += x (in place) and the norm is of that sum."""
+        if self.kernels is not None:
+            if residual is None:
+                return self.kernels.rms_norm(x, self.weight, self.eps)
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = residual.add_(x)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -149,20 +157,34 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.kernels = None  # the compiled CPU kernels, when the model runs on them (use_cpu_kernels)
 
-    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
-                kv_cache: KVCache, metadata: object) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend, kv_cache: KVCache, metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings, with residual None). Each residual add
+        is fused into the norm after it; returns (this layer's MLP output, residual stream so far)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(h)
         # Q and K are adjacent in the fused output: one RoPE pass rotates both.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-                        cos, sin)
+        rotated = self.num_heads + self.num_kv_heads
+        if self.kernels is not None:
+            self.kernels.rotary_embedding(qkv, rotated, self.head_dim, cos, sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, rotated, self.head_dim)
+        else:
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, rotated, self.head_dim),
+                            cos[:, None, :], sin[:, None, :])
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        x = x + self.o_proj(attn.forward(layer, q, k, v, kv_cache, metadata))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        h = self.post_attention_layernorm(self.o_proj(attn.forward(layer, q, k, v, kv_cache, metadata)), residual)
+        gate_up = self.gate_up_proj(h)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up)), residual
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -181,10 +203,11 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for a flat batch; K/V of every token land in the pool."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         x = self.embed_tokens(input_ids)
-        cos, sin = freqs.cos().to(x.dtype)[:, None, :], freqs.sin().to(x.dtype)[:, None, :]
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)  # [T, head_dim / 2]
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, cos, sin, attn, kv_cache, metadata)
-        return x
+            x, residual = layer(i, x, residual, cos, sin, attn, kv_cache, metadata)
+        return residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(self.norm(hidden), self.lm_head_weight(), self.lm_head_packed).float()
@@ -209,6 +232,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.packed = pack(module.weight.detach(), 64)
         self.lm_head_packed = pack(self.lm_head_weight().detach(), 64)
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """Run RMSNorm (with the residual add before it), RoPE and SiLU-and-multiply through the compiled
+        CPU kernels (worker/cpu_kernels.py): one pass each instead of 3-6 torch ops. CPU float32 only."""
+        weight = self.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(f"the CPU kernels run float32 on CPU, not {weight.dtype} on {weight.device}")
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, DecoderLayer)):
+                module.kernels = kernels
 
     # Checkpoint projections that land in a fused parameter: name -> (fused name, shard index).
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

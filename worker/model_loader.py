@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from worker.cpu_kernels import load_cpu_kernels
 from worker.model import LlamaForCausalLM, ModelConfig, rope_inv_freq
 from worker.model_files import ModelLoadError
 
@@ -48,6 +49,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
     model.pack_cpu_weights()
+    if device.type == "cpu" and dtype == torch.float32:
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            model.use_cpu_kernels(kernels)
     return model.eval()
 
 

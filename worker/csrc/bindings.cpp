@@ -1,4 +1,5 @@
-// The CPU attention extension's Python module: decode and prefill kernels, one build.
+// The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention and the layer's fused
+// elementwise steps, one build.
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -6,8 +7,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor query_start, torch::Tensor query_lens, torch::Tensor seq_lens, double scale,
                              torch::Tensor out);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rotary_embedding(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, float32)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (CPU, float32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, gate | up] (CPU, float32)");
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of a row's first heads, in place (CPU, float32)");
 }

@@ -1,0 +1,77 @@
+"""The decoder layer's fused CPU kernels (csrc/layer_ops.cpp) against the torch ops they replace,
+and the model with them against the model without them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_attention import random_layout
+from worker.attention import TorchAttention
+from worker.cpu_kernels import load_cpu_kernels
+from worker.kv_cache import KVCache
+from worker.model import apply_rope
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.skip("no C++ toolchain for the CPU kernels")
+    return k
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # one decode row, a few, and more rows than one parallel task
+def test_layer_ops_match_torch(kernels, rows):
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter, heads, kv_heads, head_dim = 96, 160, 6, 2, 16
+    x, residual = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    weight = torch.randn(hidden, generator=gen)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (hidden,), weight, 1e-5))
+
+    summed = x + residual
+    normed = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, summed)  # the residual stream is updated in place, exactly
+    torch.testing.assert_close(normed, F.rms_norm(summed, (hidden,), weight, 1e-5))
+
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
+
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    freqs = torch.randint(0, 4000, (rows,), generator=gen).float()[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    rotated = heads + kv_heads
+    expected = apply_rope(qkv[:, : rotated * head_dim].view(rows, rotated, head_dim), cos[:, None], sin[:, None])
+    values = qkv[:, rotated * head_dim :].clone()
+    kernels.rotary_embedding(qkv, rotated, head_dim, cos, sin)
+    torch.testing.assert_close(qkv[:, : rotated * head_dim].view(rows, rotated, head_dim), expected)
+    assert torch.equal(qkv[:, rotated * head_dim :], values)  # V is not rotated
+
+
+def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
+    """The whole model (packed weights, fused norms, RoPE and SiLU) against its torch code path on one
+    flat batch of prefill chunks and decodes."""
+    from worker.model_loader import load_model
+
+    model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
+    assert all(layer.kernels is kernels for layer in model.layers)
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(0)
+    bs, num_blocks = 16, 64
+    query_lens, context_lens = [40, 1, 1, 25], [40, 70, 9, 50]
+    layout = random_layout(gen, num_blocks, bs, query_lens, context_lens)
+    ids = torch.randint(0, cfg.vocab_size, (sum(query_lens),), generator=gen)
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+    attention = TorchAttention(bs)
+    outputs = []
+    for use_kernels in (True, False):
+        for module in model.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels if use_kernels else None
+        cache = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                        torch.device("cpu"))
+        with torch.inference_mode():
+            hidden = model(ids, positions, attention, cache, attention.prepare(layout))
+            outputs.append(model.compute_logits(hidden))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
