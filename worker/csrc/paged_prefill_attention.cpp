@@ -165,30 +165,28 @@ void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float*
       }
     }
     // Online softmax down the columns.
-    float* mx = w.rescale.data();  // new max first, then the rescale factor in place
+    float* mx = w.max.data();  // the running max, raised to this tile's
+    float* f = w.rescale.data();  // how much the old sum and outputs shrink
+    float* sum = w.sum.data();
 #pragma omp simd
-    for (int64_t m = 0; m < ld; ++m) mx[m] = w.max[m];
+    for (int64_t m = 0; m < ld; ++m) f[m] = mx[m];
     for (int j = 0; j < n; ++j) {
       const float* row = st + j * ld;
 #pragma omp simd
       for (int64_t m = 0; m < ld; ++m) mx[m] = row[m] > mx[m] ? row[m] : mx[m];
     }
+#pragma omp simd
+    for (int64_t m = 0; m < ld; ++m) {
+      f[m] = std::exp(f[m] - mx[m]);
+      sum[m] *= f[m];
+    }
     for (int j = 0; j < n; ++j) {
       float* row = st + j * ld;
 #pragma omp simd
-      for (int64_t m = 0; m < ld; ++m) row[m] = std::exp(row[m] - mx[m]);
-    }
-#pragma omp simd
-    for (int64_t m = 0; m < ld; ++m) {
-      const float f = std::exp(w.max[m] - mx[m]);
-      w.max[m] = mx[m];
-      w.sum[m] *= f;
-      mx[m] = f;
-    }
-    for (int j = 0; j < n; ++j) {
-      const float* row = st + j * ld;
-#pragma omp simd
-      for (int64_t m = 0; m < ld; ++m) w.sum[m] += row[m];
+      for (int64_t m = 0; m < ld; ++m) {
+        row[m] = std::exp(row[m] - mx[m]);
+        sum[m] += row[m];
+      }
     }
     tile_values<D>(st, ld, w.v.data(), n, w.rescale.data(), w.o.data(), M);
   }
