@@ -3,7 +3,7 @@
 The model runner describes a step's flat batch once (BatchLayout); a backend turns that into
 whatever metadata its kernels want (prepare, once per step) and then, per layer, writes the new
 K/V into their slots and attends over each sequence's paged context (forward). Backends: torch
-(here, any device), the compiled CPU kernel (cpu_attention.py) and Triton (triton_attention.py).
+(here, any device), the compiled CPU kernels (cpu_attention.py) and Triton (triton_attention.py).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority": lower value first, then arrival
-    attention_backend: str = "auto"  # auto: triton on CUDA, compiled CPU kernel on CPU (float32), else torch
+    attention_backend: str = "auto"  # auto: triton on CUDA, compiled CPU kernels on CPU (float32), else torch
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     seed: int = 0
     # JSON string or dict, see worker.spec_decode.config.SpeculativeConfig; None: no speculation.
@@ -84,7 +84,7 @@ class EngineConfig:
                        help="reuse KV blocks of shared prompt prefixes")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch", "triton"],
-                       help="paged attention implementation (auto: triton on CUDA, compiled CPU kernel on CPU, "
+                       help="paged attention implementation (auto: triton on CUDA, compiled CPU kernels on CPU, "
                             "else torch; triton on CPU needs TRITON_INTERPRET=1 and is for tests)")
         g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
                        help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")

@@ -81,7 +81,7 @@ class LLMEngine:
         self.drafter = None
         if spec_config is not None and spec_config.method == "draft_model":
             draft_dtype = _DTYPES[spec_config.draft_dtype] if spec_config.draft_dtype else self.dtype
-            # The compiled CPU kernel is float32 only: a draft in another dtype picks its own backend.
+            # The compiled CPU kernels are float32 only: a draft in another dtype picks its own backend.
             draft_backend = config.attention_backend if config.attention_backend in ("torch", "triton") else "auto"
             self.drafter = DraftModelProposer(spec_config.model, self.tokenizer.get_vocab(), draft_dtype, self.device,
                                               draft_backend)
