@@ -17,6 +17,7 @@ from worker.attention import MAX_ROW_QUERY, BatchLayout, TorchAttention, query_r
 from worker.cpu_kernels import load_cpu_kernels
 from worker.kv_cache import KVCache
 
+
 @dataclass
 class CpuMetadata:
     slot_mapping: torch.Tensor
@@ -30,6 +31,10 @@ class CpuMetadata:
 
 
 class CpuAttention(TorchAttention):
+    def __init__(self, block_size: int):
+        super().__init__(block_size)
+        self.kernels = load_cpu_kernels(required=True)
+
     @staticmethod
     def supports(head_dim: int) -> bool:
         """The shapes the kernels are instantiated for (see csrc/)."""
@@ -48,10 +53,6 @@ class CpuAttention(TorchAttention):
             block_tables=layout.block_table_tensor[rows.seq_index],
             seq_lens=torch.tensor(rows.seq_lens, dtype=torch.int64),
         )
-
-    def __init__(self, block_size: int):
-        super().__init__(block_size)
-        self.kernels = load_cpu_kernels(required=True)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: CpuMetadata) -> torch.Tensor:
