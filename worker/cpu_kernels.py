@@ -45,7 +45,8 @@ def load_cpu_kernels(required: bool = False):
 
 
 def _build_directory() -> Path:
-    """A build folder per CPU feature set (the kernels are built with -march=native).
+    """A build folder per CPU feature set (the kernels are built with -march=native) and header
+    contents (torch's loader rebuilds when a listed source changes, not when a header does).
 
     torch's loader waits forever on a lock file left by a build that was killed; a lock older
     than any real build is removed so such a leftover cannot hang every later start.
@@ -53,7 +54,10 @@ def _build_directory() -> Path:
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     flags = next((line for line in lines if line.startswith("flags")), "")
-    build_dir = cache_root() / "kernels" / f"cpu-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    key = hashlib.sha256(flags.encode())
+    for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):
+        key.update(header.read_bytes())
+    build_dir = cache_root() / "kernels" / f"cpu-{key.hexdigest()[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > 600:

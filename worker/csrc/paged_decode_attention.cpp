@@ -12,11 +12,11 @@
 // prefetches and a static split, 80 ms now. The portable loops are the fallback for other CPUs
 // and the last keys.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <vector>
+
+#include "task_queue.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -169,36 +169,35 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
   const int64_t kv_per_task = B >= 2 * at::get_num_threads() ? Hkv : 1;
   const int64_t tasks_per_seq = Hkv / kv_per_task;
   const int64_t num_tasks = B * tasks_per_seq;
-  // Longest sequences first, handed out one at a time: a static split of mixed lengths leaves one
-  // thread idle while the other finishes its long sequences.
+  // Longest sequences first (see task_queue.h).
   std::vector<int64_t> order(num_tasks);
   for (int64_t i = 0; i < num_tasks; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return lp[a / tasks_per_seq] > lp[b / tasks_per_seq]; });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, sums(kv_per_task * G);
+  struct Scratch {
+    std::vector<float> scores, sums;
     std::vector<int64_t> rows;
-    for (int64_t i = next++; i < num_tasks; i = next++) {
-      const int64_t task = order[i];
-      const int64_t b = task / tasks_per_seq, h = task % tasks_per_seq * kv_per_task;
-      const int64_t L = lp[b];
-      const int64_t nq = kv_per_task * G;
-      scores.resize(nq * L);
-      rows.resize(L);
-      row_offsets(tp + b * max_blocks, L, bs, Hkv * D, rows.data());
-      const float* qb = qp + (b * H + h * G) * D;
-      const float* kh = kp + h * D;  // the task's first KV head in every row
-      const float* vh = vp + h * D;
-      float* ob = op + (b * H + h * G) * D;
-      const float s = static_cast<float>(scale);
-      switch (D) {
-        case 16: decode_task<16>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
-        case 32: decode_task<32>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
-        case 64: decode_task<64>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
-        case 128: decode_task<128>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob); break;
-        default: decode_task<256>(qb, kh, vh, rows.data(), L, nq, G, s, scores.data(), sums.data(), ob);
-      }
+  };
+  const auto make_scratch = [&] { return Scratch{{}, std::vector<float>(kv_per_task * G), {}}; };
+  run_tasks_in_order(num_tasks, make_scratch, [&](Scratch& w, int64_t i) {
+    const int64_t task = order[i];
+    const int64_t b = task / tasks_per_seq, h = task % tasks_per_seq * kv_per_task;
+    const int64_t L = lp[b];
+    const int64_t nq = kv_per_task * G;
+    w.scores.resize(nq * L);
+    w.rows.resize(L);
+    row_offsets(tp + b * max_blocks, L, bs, Hkv * D, w.rows.data());
+    const float* qb = qp + (b * H + h * G) * D;
+    const float* kh = kp + h * D;  // the task's first KV head in every row
+    const float* vh = vp + h * D;
+    float* ob = op + (b * H + h * G) * D;
+    const float s = static_cast<float>(scale);
+    switch (D) {
+      case 16: decode_task<16>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
+      case 32: decode_task<32>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
+      case 64: decode_task<64>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
+      case 128: decode_task<128>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
+      default: decode_task<256>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob);
     }
   });
   return out;

@@ -11,11 +11,11 @@
 // full one. torch's flash kernel (SDPA) does the same work at 53-98 GFLOPS for SmolLM2's shapes on
 // a 2-core Zen 4.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <vector>
+
+#include "task_queue.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -237,7 +237,7 @@ void paged_prefill_attention(torch::Tensor q,             // [T, H, D] float32, 
         tasks.push_back({c, h, r0, rows, first_pos + r0 + rows});
       }
   }
-  // Most keys first, handed out one at a time, so the threads finish together.
+  // Most keys first (see task_queue.h).
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -245,26 +245,24 @@ void paged_prefill_attention(torch::Tensor q,             // [T, H, D] float32, 
   float* op = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
   const int64_t ld = (tile_rows * G + 15) / 16 * 16;
-  std::atomic<int64_t> next{0};
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_tasks, 1)), 1, [&](int64_t, int64_t) {
-    Scratch w{std::vector<float>(D * ld), std::vector<float>(ld * D), std::vector<float>(kKeys * ld),
-              std::vector<float>(ld), std::vector<float>(ld), std::vector<float>(ld), std::vector<float>(ld),
-              std::vector<const float*>(kKeys), std::vector<const float*>(kKeys)};
-    for (int64_t i = next++; i < num_tasks; i = next++) {
-      const Task& t = tasks[i];
-      const int64_t first_pos = lp[t.chunk] - qlp[t.chunk];
-      const float* qc = qp + sp[t.chunk] * q_stride;
-      float* oc = op + sp[t.chunk] * o_stride;
-      const int64_t* table = tp + t.chunk * max_blocks;
-      const float s = static_cast<float>(scale);
-      switch (D) {
-        case 16: prefill_task<16>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-        case 32: prefill_task<32>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-        case 64: prefill_task<64>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-        case 128: prefill_task<128>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-        default: prefill_task<256>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w);
-      }
+  const auto make_scratch = [&] {
+    return Scratch{std::vector<float>(D * ld), std::vector<float>(ld * D), std::vector<float>(kKeys * ld),
+                   std::vector<float>(ld), std::vector<float>(ld), std::vector<float>(ld), std::vector<float>(ld),
+                   std::vector<const float*>(kKeys), std::vector<const float*>(kKeys)};
+  };
+  run_tasks_in_order(static_cast<int64_t>(tasks.size()), make_scratch, [&](Scratch& w, int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t first_pos = lp[t.chunk] - qlp[t.chunk];
+    const float* qc = qp + sp[t.chunk] * q_stride;
+    float* oc = op + sp[t.chunk] * o_stride;
+    const int64_t* table = tp + t.chunk * max_blocks;
+    const float s = static_cast<float>(scale);
+    switch (D) {
+      case 16: prefill_task<16>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
+      case 32: prefill_task<32>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
+      case 64: prefill_task<64>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
+      case 128: prefill_task<128>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
+      default: prefill_task<256>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w);
     }
   });
 }
