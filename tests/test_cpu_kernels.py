@@ -1,5 +1,5 @@
-"""The decoder layer's fused CPU kernels (csrc/layer_ops.cpp) against the torch ops they replace,
-and the model with them against the model without them."""
+"""The decoder layer's fused CPU kernels (csrc/layer_ops.cpp) and the panel GEMM (csrc/packed_linear.cpp)
+against the torch ops they replace, and the model with them against the model without them."""
 
 import pytest
 import torch
@@ -49,9 +49,23 @@ def test_layer_ops_match_torch(kernels, rows):
     assert torch.equal(qkv[:, rotated * head_dim :], values)  # V is not rotated
 
 
+@pytest.mark.parametrize("rows", [1, 5, 13, 64, 300])  # partial and whole row tiles of AVX2 (6) and AVX-512 (12)
+def test_packed_linear_matches_torch(kernels, rows):
+    """The panel GEMM against F.linear, with output columns that end inside a panel and an odd K."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(100, 67, generator=gen), torch.randn(rows, 67, generator=gen)
+    panels = kernels.pack_linear_weight(weight)
+    assert panels.shape[0] * panels.shape[2] >= 100 and panels.shape[1] == 67
+    torch.testing.assert_close(kernels.packed_linear(x, panels, 100), F.linear(x, weight))
+    strided = torch.randn(rows, 80, generator=gen)[:, :67]  # rows need not be adjacent
+    torch.testing.assert_close(kernels.packed_linear(strided, panels, 100), F.linear(strided, weight))
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernels.packed_linear(x, panels, 60)
+
+
 def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
-    """The whole model (packed weights, fused norms, RoPE and SiLU) against its torch code path on one
-    flat batch of prefill chunks and decodes."""
+    """The whole model (packed weights, panel GEMM, fused norms, RoPE and SiLU) against its torch code
+    path on one flat batch of prefill chunks and decodes."""
     from worker.model_loader import load_model
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))

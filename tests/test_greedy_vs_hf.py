@@ -151,12 +151,13 @@ def test_smollm2_preemption(smollm2_dir, smollm2_ref, smol_prompts):
 
 
 def test_cpu_model_uses_packed_weights_with_plain_matmul_results(tiny_model_dir):
-    """float32 on CPU: every projection and the vocabulary head run through oneDNN pre-packed
-    weights (the decode-speed path) and agree with plain matmuls; other dtypes keep plain matmuls."""
+    """float32 on CPU: every projection and the vocabulary head run through pre-packed weights (the
+    compiled panel GEMM up to PANEL_MAX_ROWS rows where the CPU kernels build, oneDNN's packing above
+    and for the head) and agree with plain matmuls; other dtypes keep plain matmuls."""
     import torch
     import torch.nn.functional as F
 
-    from worker.model import Linear
+    from worker.model import PANEL_MAX_ROWS, Linear
     from worker.model_loader import load_model
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
@@ -164,7 +165,7 @@ def test_cpu_model_uses_packed_weights_with_plain_matmul_results(tiny_model_dir)
     assert len(projections) == 4 * model.cfg.num_layers
     assert model.lm_head_packed is not None and all(m.packed is not None for m in projections)
     gen = torch.Generator().manual_seed(0)
-    for rows in (1, 5, 37):  # decode-sized and larger batches through the same packed weight
+    for rows in (1, 5, 37, PANEL_MAX_ROWS + 1):  # decode-sized batches, and one past the panel GEMM's
         hidden = torch.randn(rows, model.cfg.hidden_size, generator=gen)
         expected = F.linear(model.norm(hidden), model.lm_head_weight())
         torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)

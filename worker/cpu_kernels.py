@@ -1,5 +1,6 @@
-"""Compiled CPU kernels: paged attention (csrc/paged_*_attention.cpp) and the decoder layer's fused
-elementwise steps (csrc/layer_ops.cpp), float32.
+"""Compiled CPU kernels: paged attention (csrc/paged_*_attention.cpp), the decoder layer's fused
+elementwise steps (csrc/layer_ops.cpp) and the small-batch projection GEMM (csrc/packed_linear.cpp),
+float32.
 
 One extension, built once per machine with torch's C++ extension loader (about 40 s, cached under
 ~/.cache/metroserve/kernels). Where it cannot be built (no compiler), everything falls back to
@@ -18,7 +19,8 @@ from worker.model_files import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
-            ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
+            ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "layer_ops.cpp", "packed_linear.cpp",
+             "bindings.cpp")]
 _kernels = None
 _failed = False
 

@@ -18,6 +18,7 @@ import torch
 from worker.attention import make_attention_backend
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
+from worker.cpu_allocator import keep_freed_memory
 from worker.config import EngineConfig, parse_size
 from worker.detokenizer import IncrementalDetokenizer
 from worker.gpu_memory import kv_budget_bytes, profile_step_peak
@@ -67,6 +68,8 @@ class LLMEngine:
         dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
         self.model_dir = resolve_model_dir(config.model)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = load_model(self.model_dir, self.dtype, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         mcfg = self.model.cfg

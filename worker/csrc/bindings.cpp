@@ -1,5 +1,5 @@
-// The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention and the layer's fused
-// elementwise steps, one build.
+// The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention, the layer's fused
+// elementwise steps and the small-batch projection GEMM, one build.
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -11,6 +11,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_embedding(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor pack_linear_weight(torch::Tensor w);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
@@ -19,4 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, gate | up] (CPU, float32)");
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of a row's first heads, in place (CPU, float32)");
+  m.def("pack_linear_weight", &pack_linear_weight, "a [N, K] weight in the column panels packed_linear reads");
+  m.def("packed_linear", &packed_linear, "x @ W^T through pack_linear_weight's panels (CPU, float32)");
 }
