@@ -10,61 +10,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-struct Vec {
-  using T = __m512;
-  static constexpr int kWidth = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static T broadcast(const float* p) { return _mm512_set1_ps(*p); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-};
-constexpr int kTileRows = 12;  // 24 accumulators + 2 panel vectors of AVX-512's 32 registers
-#elif defined(__AVX2__) && defined(__FMA__)
-struct Vec {
-  using T = __m256;
-  static constexpr int kWidth = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-};
-constexpr int kTileRows = 6;  // 12 accumulators + 2 panel vectors of AVX2's 16 registers
-#else
-struct Vec {  // portable: the compiler vectorizes the 8-lane loops as it can
-  struct T {
-    float v[8];
-  };
-  static constexpr int kWidth = 8;
-  static T zero() { return T{}; }
-  static T load(const float* p) {
-    T r;
-    for (int i = 0; i < 8; ++i) r.v[i] = p[i];
-    return r;
-  }
-  static T broadcast(const float* p) {
-    T r;
-    for (int i = 0; i < 8; ++i) r.v[i] = *p;
-    return r;
-  }
-  static T fma(T a, T b, T c) {
-    for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i];
-    return c;
-  }
-  static void store(float* p, T v) {
-    for (int i = 0; i < 8; ++i) p[i] = v.v[i];
-  }
-};
-constexpr int kTileRows = 4;
-#endif
+using vec::kTileRows;
+using vec::Vec;
 constexpr int kPanel = 2 * Vec::kWidth;  // output columns per panel
 
 // y[r, :cols] = x[r, :] . panel for R rows; the panel's columns past `cols` are padding. With
@@ -76,10 +28,8 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, 
   typename Vec::T lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec::zero();
   for (int64_t k = 0; k < K; ++k) {
-#if defined(__AVX2__) || defined(__AVX512F__)
     if (next != nullptr)
-      for (int c = 0; c < kPanel; c += 16) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel + c), _MM_HINT_T1);
-#endif
+      for (int c = 0; c < kPanel; c += 16) __builtin_prefetch(next + k * kPanel + c, 0, 2);  // into L2
     const auto b0 = Vec::load(panel + k * kPanel), b1 = Vec::load(panel + k * kPanel + Vec::kWidth);
     for (int r = 0; r < R; ++r) {
       const auto a = Vec::broadcast(x + r * ldx + k);

@@ -7,10 +7,12 @@
 // independent accumulators and one transposed horizontal sum, every query head uses a key or value
 // row while it is in L1, and rows are prefetched into L2 about two blocks ahead, since the
 // hardware prefetcher cannot follow a block table (into L1 the prefetches competed with the
-// loads and were slower than none). Threads take sequences longest first, one at a time. On a
-// 2-core Zen 4, 64 sequences of ~450 tokens, 30 layers with the pool in DRAM: 117 ms with L1
-// prefetches and a static split, 80 ms now. The portable loops are the fallback for other CPUs
-// and the last keys.
+// loads and were slower than none), the first rows of each pass included. Threads take sequences
+// longest first, one at a time. On a 2-core Zen 4, 64 sequences of ~450 tokens, 30 layers with
+// the pool in DRAM: 117 ms with L1 prefetches and a static split, 78 ms with the first 32 keys
+// and 64 values of each sequence not prefetched, 66 ms now. The loads are then bound by how many
+// misses a core keeps in flight (the prefetch instructions stall; fewer or later ones are slower).
+// The portable loops are the fallback for other CPUs and the last keys.
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -37,15 +39,19 @@ static inline void prefetch_row(const float* row, int64_t n) {
 // time and every head uses them while they are in L1 (a long context's keys do not fit in L2, so
 // one pass per head would read them from memory again).
 template <int D>
-static void key_scores(const float* qb, const float* kp, const int64_t* rows, int64_t L, int64_t NQ, int64_t G,
-                       float scale, float* scores) {
+static void key_scores(const float* qb, const float* kp, const float* vp, const int64_t* rows, int64_t L, int64_t NQ,
+                       int64_t G, float scale, float* scores) {
   int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < std::min<int64_t>(L, 32); ++j) prefetch_row(kp + rows[j], NQ / G * D);
   for (; t + 8 <= L; t += 8) {
     const float* k[8];
     for (int j = 0; j < 8; ++j) k[j] = kp + rows[t + j];
     for (int64_t j = t + 32; j < std::min(L, t + 40); ++j) prefetch_row(kp + rows[j], NQ / G * D);
+    // The value pass starts on the first rows: fetch them while the last keys are scored.
+    for (int64_t j = t + 64 - L; j < t + 72 - L; ++j)
+      if (j >= 0 && j < L) prefetch_row(vp + rows[j], NQ / G * D);
     for (int64_t g = 0; g < NQ; ++g) {
       const float* qg = qb + g * D;
       const int64_t kh = g / G * D;
@@ -125,7 +131,7 @@ static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int
 template <int D>
 static void decode_task(const float* qb, const float* kp, const float* vp, const int64_t* rows, int64_t L, int64_t NQ,
                         int64_t G, float scale, float* scores, float* sums, float* ob) {
-  key_scores<D>(qb, kp, rows, L, NQ, G, scale, scores);
+  key_scores<D>(qb, kp, vp, rows, L, NQ, G, scale, scores);
   for (int64_t g = 0; g < NQ; ++g) {
     float* sg = scores + g * L;
     float m = -INFINITY;
