@@ -17,6 +17,7 @@ inherited them (8% faster static ``generate`` on a 2-core Zen 4: 198 s instead o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -61,6 +62,32 @@ class PeerResult:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+class TimedSections:
+    """Wall seconds spent in the timed sections of a peer's run, and how many cores other processes
+    kept busy during them (from /proc/stat; not measured elsewhere)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._other_busy: float | None = 0.0
+
+    @contextlib.contextmanager
+    def section(self):
+        busy, own, start = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+            if busy is None or self._other_busy is None:
+                self._other_busy = None
+            else:
+                self._other_busy += (_busy_cpu_seconds() - busy) - (_own_cpu_seconds() - own)
+
+    def extra(self) -> dict[str, float]:
+        if self._other_busy is None or self.seconds <= 0:
+            return {}
+        return {"other_processes_cores": max(0.0, self._other_busy) / self.seconds}
 
 
 def trim_output(ids: list[int], eos_ids: set[int], max_tokens: int) -> list[int]:
@@ -115,13 +142,14 @@ def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], m
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     before = llm.engine.stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    seconds = time.perf_counter() - start
+    clock = TimedSections()
+    with clock.section():
+        outs = llm.generate(prompts, params, use_tqdm=True)
     after = llm.engine.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     extra = {
+        **clock.extra(),
         "kv_efficiency_at_peak": after.kv_efficiency_at_peak,
         "peak_used_blocks": after.peak_used_blocks,
         "num_total_blocks": after.num_total_blocks,
@@ -138,7 +166,7 @@ def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], m
                      spec_acceptance_rate=accepted / draft_tokens if draft_tokens else 0.0,
                      spec_mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
     outputs = [trim_output(list(o.outputs[0].token_ids), set(eos_ids), max_tokens) for o in outs]
-    return PeerResult("engine", outputs, seconds, extra)
+    return PeerResult("engine", outputs, clock.seconds, extra)
 
 
 def run_hf_static(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_tokens: int,
@@ -161,16 +189,15 @@ def run_hf_static(model_dir: Path, prompts: list[list[int]], warmup: list[int], 
 
     generate([warmup], greedy_config(4, eos_ids, pad_id))
     outputs: list[list[int]] = []
-    seconds = 0.0
+    clock = TimedSections()
     with tqdm(total=len(prompts), desc="hf-static", unit="req") as bar:
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i:i + batch_size]
-            start = time.perf_counter()
-            generated = generate(batch, config)
-            seconds += time.perf_counter() - start
+            with clock.section():
+                generated = generate(batch, config)
             outputs += [trim_output(ids, set(eos_ids), max_tokens) for ids in generated]
             bar.update(len(batch))
-    return PeerResult("hf-static", outputs, seconds, {"batch_size": batch_size})
+    return PeerResult("hf-static", outputs, clock.seconds, {"batch_size": batch_size, **clock.extra()})
 
 
 def cb_config(prompts: list[list[int]], max_tokens: int, seed: int):
@@ -203,36 +230,30 @@ def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_
     cb = cb_config(prompts, max_tokens, seed)
     model.generate_batch(inputs=[warmup], generation_config=greedy_config(4, eos_ids, pad_id),
                          continuous_batching_config=cb_config([warmup], 4, seed))
-    start = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
-                                   progress_bar=True)
-    seconds = time.perf_counter() - start
+    clock = TimedSections()
+    with clock.section():
+        results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
+                                       progress_bar=True)
     done = list(results.values())  # in input order
     failed = [r.request_id for r in done if r.error is not None]
     if len(done) != len(prompts) or failed:
         raise RuntimeError(f"generate_batch finished {len(done)}/{len(prompts)} requests; failed: {failed}")
     outputs = [trim_output(r.generated_tokens, set(eos_ids), max_tokens) for r in done]
     extra = {"attn_implementation": model.config._attn_implementation, "page_size": getattr(cb, "page_size", getattr(cb, "block_size", None)),
-             "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens}
-    return PeerResult("hf-cb", outputs, seconds, extra)
+             "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens, **clock.extra()}
+    return PeerResult("hf-cb", outputs, clock.seconds, extra)
 
 
 def _run_peer(peer: str, args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], warmup: list[int],
               eos_ids: list[int], pad_id: int, device: torch.device, dtype: torch.dtype) -> PeerResult:
-    """One peer's run (in its own process), with how busy other processes kept the cores meanwhile."""
-    busy_before, own_before, wall_before = _busy_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
+    """One peer's run, in its own process."""
     if peer == "engine":
-        result = run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
+        return run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
                             args.speculative_config)
-    elif peer == "hf-static":
-        result = run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.hf_batch_size,
-                               device, dtype)
-    else:
-        result = run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed, device, dtype)
-    if busy_before is not None:
-        others = (_busy_cpu_seconds() - busy_before) - (_own_cpu_seconds() - own_before)
-        result.extra["other_processes_cores"] = max(0.0, others) / (time.perf_counter() - wall_before)
-    return result
+    if peer == "hf-static":
+        return run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.hf_batch_size,
+                             device, dtype)
+    return run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed, device, dtype)
 
 
 def _busy_cpu_seconds() -> float | None:
@@ -278,7 +299,7 @@ def _print_report(report: dict[str, Any]) -> None:
         others = f"{p['other_processes_cores']:.2f}" if "other_processes_cores" in p else "-"
         print(f"{name:<10} {p['requests']:>8} {p['output_tokens']:>8} {p['seconds']:>9.1f} "
               f"{p['tokens_per_s']:>10.1f} {ratio:>12} {others:>12}")
-    print(f"(other cores: mean cores other processes kept busy during the peer, of {os.cpu_count()}; "
+    print(f"(other cores: mean cores other processes kept busy while the peer was timed, of {os.cpu_count()}; "
           "well above 0 means the peer's numbers are low)")
     if "engine" in peers:
         e = peers["engine"]

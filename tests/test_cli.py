@@ -1,6 +1,7 @@
 """The `metroserve` command: generate and the benchmarks, on the tiny model."""
 
 import json
+import os
 
 import pytest
 
@@ -27,6 +28,8 @@ def test_bench_throughput_runs_all_peers(tiny_model_dir, tmp_path, capsys):
     assert set(report["peers"]) == {"engine", "hf-static", "hf-cb"}
     for peer in report["peers"].values():
         assert peer["requests"] == 4 and peer["output_tokens"] > 0
+        # measured over the timed generation only (each peer in its own process), on Linux
+        assert 0 <= peer["other_processes_cores"] <= os.cpu_count()
     assert "engine/peer" in capsys.readouterr().out
 
 
