@@ -18,8 +18,8 @@ import torch
 from worker.attention import make_attention_backend
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
-from worker.cpu_allocator import keep_freed_memory
 from worker.config import EngineConfig, parse_size
+from worker.cpu_allocator import keep_freed_memory
 from worker.detokenizer import IncrementalDetokenizer
 from worker.gpu_memory import kv_budget_bytes, profile_step_peak
 from worker.kv_cache import KVCache

@@ -136,7 +136,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -
 
 # Up to this many rows (decode steps), a projection runs through the compiled kernel's panels: on a
 # 2-core Zen 4 with SmolLM2's shapes they were as fast as oneDNN or faster up to 128 rows (7-34% at
-# 45), and oneDNN's blocked GEMM was 3-10% faster at 512.
+# 45), and oneDNN's blocked GEMM was up to 10% faster at 512.
 PANEL_MAX_ROWS = 256
 
 
