@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.random_model import write_random_llama
-from worker import EngineConfig, LLMEngine, SamplingParams
-from worker.attention import BatchLayout, TorchAttention
-from worker.kv_cache import KVCache
+from metroserve.benchmarks.random_model import write_random_llama
+from metroserve.worker import EngineConfig, LLMEngine, SamplingParams
+from metroserve.worker.attention import BatchLayout, TorchAttention
+from metroserve.worker.kv_cache import KVCache
 
 # Peak HBM bandwidth from the data sheets, bytes/s; other devices use the measured copy bandwidth.
 HBM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -111,7 +111,7 @@ def time_ms(fn, device: torch.device, repeats: int) -> float:
 
 def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats: int, emit) -> None:
     """One attention layer (K/V write plus attention), Triton vs the torch backend, per shape; emit(row) each."""
-    from worker.triton_attention import TritonAttention
+    from metroserve.worker.triton_attention import TritonAttention
 
     rng = np.random.default_rng(0)
     cases = [(h, s) for h in cfg["kernel_heads"] for s in cfg["kernel_shapes"]]
@@ -205,7 +205,7 @@ def release(device: torch.device) -> None:
 
 def offline_throughput(model_dir: Path, cfg: dict, device: torch.device, out: Path) -> dict[str, Any]:
     """benchmarks/throughput.py (engine vs transformers generate and generate_batch) on this device."""
-    from benchmarks import throughput
+    from metroserve.benchmarks import throughput
 
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)

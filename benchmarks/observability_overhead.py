@@ -27,8 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_overhead import add_workload_arguments, run_served, wait_healthy
-from benchmarks.workload import build_chat_workload
+from metroserve.benchmarks.serve_overhead import add_workload_arguments, run_served, wait_healthy
+from metroserve.benchmarks.workload import build_chat_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ class Scraper:
 
 def _start_stack(model_dir: Path, port: int, args: argparse.Namespace, on: bool, sink_url: str,
                  log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
+    argv = [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
             "--port", str(port), "--grpc-port", str(port + 1), "--scheduler-port", str(port + 2),
             "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
             "--no-enable-prefix-caching"]
@@ -131,8 +131,8 @@ def _start_stack(model_dir: Path, port: int, args: argparse.Namespace, on: bool,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from worker.model_files import resolve_model_dir
-    from worker.model_loader import load_tokenizer
+    from metroserve.worker.model_files import resolve_model_dir
+    from metroserve.common.tokenizer import load_tokenizer
 
     model_dir = resolve_model_dir(args.model)
     prompts = build_chat_workload(load_tokenizer(model_dir), num_requests=args.num_requests)

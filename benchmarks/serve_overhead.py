@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from benchmarks.workload import build_chat_workload
+from metroserve.benchmarks.workload import build_chat_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_offline(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    from worker import SamplingParams
+    from metroserve.worker import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -104,8 +104,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> No
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from worker import LLM, SamplingParams
-    from worker.model_files import resolve_model_dir
+    from metroserve.worker import LLM, SamplingParams
+    from metroserve.worker.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     engine_args = dict(max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory,
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     port, grpc_port, scheduler_port = args.port, args.port + 1, args.port + 2
     serve = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
+        [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
          "--port", str(port), "--grpc-port", str(grpc_port), "--scheduler-port", str(scheduler_port),
          "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
          "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"],

@@ -35,10 +35,10 @@ import aiohttp
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks.serving_client import BenchError, RequestRecord, Target, counter_deltas, scrape, served_models
-from benchmarks.serving_datasets import (BenchRequest, chat_jsonl_requests, random_requests,
+from metroserve.benchmarks.serving_client import BenchError, RequestRecord, Target, counter_deltas, scrape, served_models
+from metroserve.benchmarks.serving_datasets import (BenchRequest, chat_jsonl_requests, random_requests,
                                          shared_prefix_requests)
-from benchmarks.serving_report import compare_reports, format_table, write_plots
+from metroserve.benchmarks.serving_report import compare_reports, format_table, write_plots
 
 MAX_ERRORS_KEPT = 5
 WARMUP_MAX_TOKENS = 4
@@ -234,8 +234,8 @@ def sweep_settings(args: argparse.Namespace) -> tuple[list[RunSetting], str | No
 
 def load_bench_tokenizer(path: str | None) -> Any:
     """The tokenizer at `path` (a model dir or .gguf), else that of metroserve's default model."""
-    from worker.model_files import resolve_model_dir
-    from worker.model_loader import load_tokenizer
+    from metroserve.worker.model_files import resolve_model_dir
+    from metroserve.common.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_dir(path))
 

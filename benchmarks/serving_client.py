@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.serving_datasets import BenchRequest
+from metroserve.benchmarks.serving_datasets import BenchRequest
 
 # Server counters by the suffix of their sample names (prometheus_client keeps `_total` on samples).
 COUNTER_SUFFIXES = {

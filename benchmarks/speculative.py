@@ -42,9 +42,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.workload import build_chat_workload, stdlib_docstrings
-from worker import LLM, SamplingParams
-from worker.model_files import cache_root, resolve_model_dir
+from metroserve.benchmarks.workload import build_chat_workload, stdlib_docstrings
+from metroserve.worker import LLM, SamplingParams
+from metroserve.worker.model_files import cache_root, resolve_model_dir
 
 SECTIONS = ("single", "single-chat", "batch", "draft")
 # Functions to edit: (function, variable to rename, new name).

@@ -37,10 +37,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from benchmarks.workload import build_chat_workload
-from worker import LLM, SamplingParams
-from worker.config import EngineConfig
-from worker.model_files import resolve_model_dir
+from metroserve.benchmarks.workload import build_chat_workload
+from metroserve.worker import LLM, SamplingParams
+from metroserve.worker.config import EngineConfig
+from metroserve.worker.model_files import resolve_model_dir
 
 PEERS = ("engine", "hf-static", "hf-cb")
 WARMUP_TEXT = "Warm-up request: say hello."

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.store import MemoryKVStore, RequestRecord
+from metroserve.kvstore.store import MemoryKVStore, RequestRecord
 
 __all__ = ["MemoryKVStore", "RequestRecord", "open_kvstore"]
 
@@ -15,7 +15,7 @@ def open_kvstore(url: str) -> MemoryKVStore:
     if url in ("", "memory"):
         return MemoryKVStore()
     if url.startswith("redis://"):
-        from kvstore.redis_store import RedisKVStore
+        from metroserve.kvstore.redis_store import RedisKVStore
 
         return RedisKVStore(url)
     raise ValueError(f"kvstore url must be 'memory' or 'redis://host:port/db', got {url!r}")

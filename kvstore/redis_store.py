@@ -40,7 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from kvstore.store import UNSET, MemoryKVStore, RequestRecord, _Unset
+from metroserve.kvstore.store import UNSET, MemoryKVStore, RequestRecord, _Unset
 
 logger = logging.getLogger(__name__)
 

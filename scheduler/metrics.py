@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from worker.metrics import PREFIX
+from metroserve.worker.metrics import PREFIX
 
 if TYPE_CHECKING:
-    from scheduler.server import Scheduler
+    from metroserve.scheduler.server import Scheduler
 
 
 class SchedulerCollector:

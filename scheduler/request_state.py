@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from metroserve_rpc import generation_pb2
-from worker.sampling_params import SamplingParams
+from metroserve.rpc import generation_pb2
+from metroserve.common.sampling_params import SamplingParams
 
 _placement_ids = itertools.count()
 

@@ -25,17 +25,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from kvstore import RequestRecord, open_kvstore
-from kvstore.block_hash import extra_keys_for, hash_prompt_blocks
-from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2, generation_pb2_grpc
-from metroserve_rpc.convert import limits_from_proto, params_from_proto, params_to_dict
-from scheduler.metrics import SchedulerCollector
-from scheduler.placement import choose_worker
-from scheduler.request_state import Placement, RequestState
-from scheduler.telemetry import RequestTelemetry
-from scheduler.worker_link import WorkerLink
-from services.metrics_http import start_metrics_server
-from worker.request_limits import RequestLimits, check_request
+from metroserve.kvstore import RequestRecord, open_kvstore
+from metroserve.common.block_hash import extra_keys_for, hash_prompt_blocks
+from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2, generation_pb2_grpc
+from metroserve.rpc.convert import limits_from_proto, params_from_proto, params_to_dict
+from metroserve.scheduler.metrics import SchedulerCollector
+from metroserve.scheduler.placement import choose_worker
+from metroserve.scheduler.request_state import Placement, RequestState
+from metroserve.scheduler.telemetry import RequestTelemetry
+from metroserve.scheduler.worker_link import WorkerLink
+from metroserve.services.metrics_http import start_metrics_server
+from metroserve.common.request_limits import RequestLimits, check_request
 
 logger = logging.getLogger(__name__)
 

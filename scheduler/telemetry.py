@@ -13,8 +13,8 @@ import time
 
 from opentelemetry import trace
 
-from scheduler.request_state import Placement, RequestState
-from services.tracing import extract_context, inject_context, ns, tracer
+from metroserve.scheduler.request_state import Placement, RequestState
+from metroserve.services.tracing import extract_context, inject_context, ns, tracer
 
 request_logger = logging.getLogger("metroserve.requests")
 

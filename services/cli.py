@@ -12,9 +12,9 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from worker.config import EngineConfig
-    from worker.llm import LLM
-    from worker.sampling_params import SamplingParams
+    from metroserve.worker.config import EngineConfig
+    from metroserve.worker.llm import LLM
+    from metroserve.common.sampling_params import SamplingParams
 
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})
@@ -52,8 +52,8 @@ def _run_async(main, component: str) -> None:
 
 
 def _scheduler(args: argparse.Namespace) -> None:
-    from scheduler.server import SchedulerOptions, run_scheduler
-    from services.tracing import configure_tracing
+    from metroserve.scheduler.server import SchedulerOptions, run_scheduler
+    from metroserve.services.tracing import configure_tracing
 
     configure_tracing("metroserve-scheduler", args.otlp_endpoint)
     options = SchedulerOptions(host=args.host, port=args.port, kvstore=args.kvstore, max_queue_len=args.max_queue_len,
@@ -63,8 +63,8 @@ def _scheduler(args: argparse.Namespace) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> None:
-    from services.gateway import GatewayOptions, run_gateway
-    from services.tracing import configure_tracing
+    from metroserve.services.gateway import GatewayOptions, run_gateway
+    from metroserve.services.tracing import configure_tracing
 
     configure_tracing("metroserve-gateway", args.otlp_endpoint)
     options = GatewayOptions(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
@@ -76,9 +76,9 @@ def _gateway(args: argparse.Namespace) -> None:
 def _worker(args: argparse.Namespace) -> None:
     import uvloop
 
-    from worker.config import EngineConfig
-    from services.tracing import configure_tracing
-    from worker.service import WorkerOptions, WorkerService
+    from metroserve.worker.config import EngineConfig
+    from metroserve.services.tracing import configure_tracing
+    from metroserve.worker.service import WorkerOptions, WorkerService
 
     _setup_logging("worker")
     configure_tracing("metroserve-worker", args.otlp_endpoint)
@@ -96,9 +96,9 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from services.serve import ServeOptions, Stack
-    from worker.config import EngineConfig
-    from worker.model_files import resolve_model_dir, served_model_name
+    from metroserve.services.serve import ServeOptions, Stack
+    from metroserve.worker.config import EngineConfig
+    from metroserve.worker.model_files import resolve_model_dir, served_model_name
 
     _setup_logging("serve")
     config = EngineConfig.from_cli_args(args)
@@ -157,8 +157,8 @@ def _add_observability_args(p: argparse.ArgumentParser, *, metrics_port: int | N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks import observability_overhead, serve_overhead, serving, speculative, throughput
-    from worker.config import EngineConfig
+    from metroserve.benchmarks import observability_overhead, serve_overhead, serving, speculative, throughput
+    from metroserve.worker.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="metroserve", description="LLM serving with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from worker.metrics import PREFIX
+from metroserve.worker.metrics import PREFIX
 
 CLIENT_CLOSED = "499"
 

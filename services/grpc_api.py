@@ -14,12 +14,12 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from metroserve_rpc import generation_pb2, generation_pb2_grpc
-from metroserve_rpc.convert import params_from_proto
-from services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
-from services.scheduler_client import SchedulerClient, UpstreamError
-from services.text_stream import stream_text
-from services.tracing import tracer
+from metroserve.rpc import generation_pb2, generation_pb2_grpc
+from metroserve.rpc.convert import params_from_proto
+from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
+from metroserve.services.scheduler_client import SchedulerClient, UpstreamError
+from metroserve.services.text_stream import stream_text
+from metroserve.services.tracing import tracer
 
 GENERATE_ROUTE = "grpc:/metroserve.v1.Generation/Generate"
 

@@ -1,4 +1,4 @@
-"""`python -m services.healthcheck HOST:PORT`: exit 0 when the gRPC server there reports SERVING.
+"""`python -m metroserve.services.healthcheck HOST:PORT`: exit 0 when the gRPC server there reports SERVING.
 
 Container health checks run this against the scheduler and the workers, which serve the standard
 grpc.health.v1 service: the slim image has no grpc_health_probe binary, and this imports only grpc,
@@ -28,7 +28,7 @@ def check(target: str, service: str = "", timeout: float = 3.0) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.healthcheck",
+    parser = argparse.ArgumentParser(prog="python -m metroserve.services.healthcheck",
                                      description="Exit 0 when a gRPC server reports SERVING (grpc.health.v1), "
                                                  "else 1 with one line on stderr.")
     parser.add_argument("target", metavar="HOST:PORT", help="the server to ask, e.g. 127.0.0.1:50051")

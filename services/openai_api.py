@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from metroserve_rpc import generation_pb2
-from services.text_stream import TextDelta, Usage
-from worker.sampling_params import SamplingParams, field_in_error
+from metroserve.rpc import generation_pb2
+from metroserve.services.text_stream import TextDelta, Usage
+from metroserve.common.sampling_params import SamplingParams, field_in_error
 
 # Body field -> SamplingParams field, where they differ only in presence, not meaning.
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -141,7 +141,7 @@ def parse_messages(body: dict) -> list[dict]:
 
 
 def parse_chat(body: dict, tokenizer) -> GenerationRequest:
-    from worker.chat import chat_prompt_ids
+    from metroserve.common.chat import chat_prompt_ids
 
     messages = parse_messages(body)
     try:

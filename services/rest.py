@@ -20,13 +20,13 @@ import grpc
 from aiohttp import web
 from opentelemetry import trace
 
-from services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
-from services.metrics_http import metrics_handler
-from services.openai_api import (BadRequest, GenerationRequest, ResponseBuilder, error_body, parse_chat,
+from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
+from metroserve.services.metrics_http import metrics_handler
+from metroserve.services.openai_api import (BadRequest, GenerationRequest, ResponseBuilder, error_body, parse_chat,
                                  parse_completion, parse_messages)
-from services.scheduler_client import SchedulerClient, UpstreamError
-from services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
-from services.tracing import tracer
+from metroserve.services.scheduler_client import SchedulerClient, UpstreamError
+from metroserve.services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
+from metroserve.services.tracing import tracer
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class RestAPI:
         return json_error(503, "no worker is ready behind the scheduler", "server_error", code="unavailable")
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        from worker.chat import chat_prompt_ids
+        from metroserve.common.chat import chat_prompt_ids
 
         body = await self._json_body(request)
         self._check_model(body.get("model") or "")

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from metroserve_rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2, generation_pb2_grpc
-from services.tracing import inject_context, tracer
+from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2, generation_pb2_grpc
+from metroserve.services.tracing import inject_context, tracer
 
 
 @dataclass

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from worker.config import EngineConfig
+from metroserve.worker.config import EngineConfig
 
 logger = logging.getLogger("metroserve.serve")
 
@@ -68,7 +68,7 @@ class Stack:
         self.gpus = _visible_gpus()
 
     def _spawn(self, args: list[str], env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "services.cli", *args], preexec_fn=_die_with_parent,
+        return subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *args], preexec_fn=_die_with_parent,
                                 start_new_session=True, env=env)
 
     def _worker_env(self, index: int) -> dict | None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from metroserve_rpc import generation_pb2
-from metroserve_rpc.convert import params_to_proto
-from services.scheduler_client import SchedulerClient
-from worker.detokenizer import IncrementalDetokenizer
-from worker.sampling_params import SamplingParams
+from metroserve.rpc import generation_pb2
+from metroserve.rpc.convert import params_to_proto
+from metroserve.services.scheduler_client import SchedulerClient
+from metroserve.common.detokenizer import IncrementalDetokenizer
+from metroserve.common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.random_model import write_random_llama  # noqa: E402
+from metroserve.benchmarks.random_model import write_random_llama  # noqa: E402
 from tests.reference import HFReference  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from worker.model_files import ModelLoadError, resolve_model_dir
+    from metroserve.worker.model_files import ModelLoadError, resolve_model_dir
 
     try:
         return resolve_model_dir(None)

@@ -71,7 +71,7 @@ class ServeStack:
         self.num_workers = workers
         self.port, self.grpc_port, self.scheduler_port = free_port(), free_port(), free_port()
         self.metrics_port = free_port_run(1 + workers)  # the scheduler's; worker i's is this + 1 + i
-        self.args = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--workers", str(workers),
+        self.args = [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model), "--workers", str(workers),
                      "--port", str(self.port), "--grpc-port", str(self.grpc_port),
                      "--scheduler-port", str(self.scheduler_port), "--metrics-port", str(self.metrics_port),
                      "--kv-cache-memory", "256MiB", *extra_args]
@@ -113,7 +113,7 @@ class ServeStack:
             return False
 
     def cluster_status(self):
-        from metroserve_rpc import cluster_pb2, cluster_pb2_grpc
+        from metroserve.rpc import cluster_pb2, cluster_pb2_grpc
 
         with grpc.insecure_channel(self.scheduler_address) as channel:
             return cluster_pb2_grpc.ClusterStub(channel).GetStatus(cluster_pb2.ClusterStatusRequest(), timeout=5)

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from tests.conftest import assert_all_blocks_free
-from worker import LLM, AsyncEngine, SamplingParams
-from worker.async_engine import EngineDeadError
+from metroserve.worker import LLM, AsyncEngine, SamplingParams
+from metroserve.worker.async_engine import EngineDeadError
 
 PARAMS = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
 

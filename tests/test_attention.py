@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from worker.attention import BatchLayout, TorchAttention
-from worker.cpu_attention import CpuAttention
-from worker.cpu_kernels import load_cpu_kernels
-from worker.kv_cache import KVCache
+from metroserve.worker.attention import BatchLayout, TorchAttention
+from metroserve.worker.cpu_attention import CpuAttention
+from metroserve.worker.cpu_kernels import load_cpu_kernels
+from metroserve.worker.kv_cache import KVCache
 
 
 def random_layout(rng: torch.Generator, num_blocks: int, bs: int, query_lens: list[int], context_lens: list[int]):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tests.conftest import assert_all_blocks_free
-from worker import LLM, AsyncEngine, ModelLoadError, SamplingParams
+from metroserve.worker import LLM, AsyncEngine, ModelLoadError, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from benchmarks import serving
-from benchmarks.serving import RunSetting, SLOs, arrival_offsets, summarize
-from benchmarks.serving_client import RequestRecord, Target, counter_deltas, parse_counters
-from benchmarks.serving_datasets import (BenchRequest, chat_jsonl_requests, random_requests,
+from metroserve.benchmarks import serving
+from metroserve.benchmarks.serving import RunSetting, SLOs, arrival_offsets, summarize
+from metroserve.benchmarks.serving_client import RequestRecord, Target, counter_deltas, parse_counters
+from metroserve.benchmarks.serving_datasets import (BenchRequest, chat_jsonl_requests, random_requests,
                                          shared_prefix_requests)
 from tests.stack import ServeStack, free_port
 

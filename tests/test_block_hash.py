@@ -4,7 +4,7 @@ import hashlib
 
 import numpy as np
 
-from kvstore.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
+from metroserve.common.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
 
 
 def test_golden_vectors():

@@ -1,8 +1,8 @@
 """BlockManager unit tests: ref counts, prefix hits, LRU eviction order, copy-on-write."""
 
-from worker.block_manager import BlockManager
-from worker.sampling_params import SamplingParams
-from worker.sequence import Request
+from metroserve.worker.block_manager import BlockManager
+from metroserve.common.sampling_params import SamplingParams
+from metroserve.worker.sequence import Request
 
 
 def make_seq(tokens, salt=None):

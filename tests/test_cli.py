@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from services.cli import main
+from metroserve.services.cli import main
 
 
 def test_generate_prints_completions(tiny_model_dir, capsys):
@@ -76,8 +76,8 @@ def test_bench_throughput_reports_speculation(tiny_model_dir, tmp_path, capsys):
 
 def test_serve_splits_cpu_cores_between_workers(monkeypatch):
     """Two CPU workers with one thread per core each would oversubscribe the cores."""
-    from services.serve import ServeOptions, Stack
-    from worker.config import EngineConfig
+    from metroserve.services.serve import ServeOptions, Stack
+    from metroserve.worker.config import EngineConfig
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 8)

@@ -84,7 +84,7 @@ def test_tokens_stream_one_step_at_a_time(stack):
     """Each engine step's token leaves the worker before the next step: no bursts in the stream."""
     import grpc
 
-    from metroserve_rpc import generation_pb2, generation_pb2_grpc
+    from metroserve.rpc import generation_pb2, generation_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
         request = generation_pb2.GenerateRequest(text="Once upon a time", params=generation_pb2.SamplingParams(
@@ -159,7 +159,7 @@ def test_sigterm_drain_hands_back_unfinished_work(stack, tiny_model_dir, tmp_pat
     prompts = [f"Drain {i}: " + "the catalogue lists " * (1 + i % 3) for i in range(8)]
     undisturbed = _long_streams(stack, prompts, 1200)
     log = open(tmp_path / "worker.log", "wb")
-    extra = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--scheduler", stack.scheduler_address,
+    extra = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", "worker", "--scheduler", stack.scheduler_address,
                               "--worker-id", "standalone", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
                               "--kv-cache-memory", "64MiB", "--drain-timeout", "0.5"], cwd=ROOT, stdout=log,
                              stderr=subprocess.STDOUT)

@@ -151,7 +151,7 @@ def _healthcheck_port(argv: list[str]) -> str | None:
     match argv:
         case ["CMD", "redis-cli", "ping"]:
             return "6379"
-        case ["CMD", "python", "-m", "services.healthcheck", target]:
+        case ["CMD", "python", "-m", "metroserve.services.healthcheck", target]:
             host, _, port = target.rpartition(":")
             return port if host == "127.0.0.1" else None
         case ["CMD", "python", "-c", code] if code == (
@@ -200,7 +200,7 @@ def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
 
 
 def _run_healthcheck(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.healthcheck", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "metroserve.services.healthcheck", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=30)
 
 

@@ -116,7 +116,7 @@ def test_compose_commands_run_as_local_processes(tiny_model_dir, tmp_path):
             for name in START_ORDER:
                 logs[name] = tmp_path / f"{name}.log"
                 with open(logs[name], "wb") as log:
-                    procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *commands[name]], cwd=ROOT,
+                    procs[name] = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *commands[name]], cwd=ROOT,
                                                    stdout=log, stderr=subprocess.STDOUT)
 
             health_url = f"http://127.0.0.1:{ports['gateway']}/health"
@@ -174,8 +174,8 @@ def test_compose_commands_run_as_local_processes(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("test, expected", [
-    (["CMD", "python", "-m", "services.healthcheck", "127.0.0.1:50051"],
-     [sys.executable, "-m", "services.healthcheck", "127.0.0.1:1234"]),
+    (["CMD", "python", "-m", "metroserve.services.healthcheck", "127.0.0.1:50051"],
+     [sys.executable, "-m", "metroserve.services.healthcheck", "127.0.0.1:1234"]),
     (["CMD", "python", "-c", "urlopen('http://127.0.0.1:8000/health')"],
      [sys.executable, "-c", "urlopen('http://127.0.0.1:4321/health')"]),
 ])

@@ -12,7 +12,7 @@ import pytest
 # Run in a fresh interpreter: glibc's thresholds are process-wide and adapt to earlier frees.
 PROBE = textwrap.dedent("""
     import ctypes, ctypes.util
-    from worker.cpu_allocator import keep_freed_memory
+    from metroserve.worker.cpu_allocator import keep_freed_memory
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc.restype = ctypes.c_void_p

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_attention import random_layout
-from worker.attention import TorchAttention
-from worker.cpu_kernels import load_cpu_kernels
-from worker.kv_cache import KVCache
-from worker.model import apply_rope
+from metroserve.worker.attention import TorchAttention
+from metroserve.worker.cpu_kernels import load_cpu_kernels
+from metroserve.worker.kv_cache import KVCache
+from metroserve.worker.model import apply_rope
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_packed_linear_matches_torch(kernels, rows):
 def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
     """The whole model (packed weights, panel GEMM, fused norms, RoPE and SiLU) against its torch code
     path on one flat batch of prefill chunks and decodes."""
-    from worker.model_loader import load_model
+    from metroserve.worker.model_loader import load_model
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
     assert all(layer.kernels is kernels for layer in model.layers)

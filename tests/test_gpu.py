@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an 
 from tests.test_attention import random_layout  # noqa: E402
 from tests.test_greedy_vs_hf import run, tiny_prompts  # noqa: E402
 from tests.test_triton_attention import random_batch, run_both  # noqa: E402
-from worker import LLM, SamplingParams  # noqa: E402
+from metroserve.worker import LLM, SamplingParams  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -58,7 +58,7 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_model_dir, prompts):
 
 def test_device_cuda_defaults(tiny_model_dir, prompts):
     """bf16, the Triton backend, graphs captured, weights on the device, a pool sized from the profiled step."""
-    from worker.triton_attention import TritonAttention
+    from metroserve.worker.triton_attention import TritonAttention
 
     llm = LLM(str(tiny_model_dir), device="cuda", gpu_memory_utilization=0.3)
     engine = llm.engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import assert_all_blocks_free
-from worker import LLM, SamplingParams
+from metroserve.worker import LLM, SamplingParams
 
 
 def tiny_prompts(tokenizer) -> list[list[int]]:
@@ -157,8 +157,8 @@ def test_cpu_model_uses_packed_weights_with_plain_matmul_results(tiny_model_dir)
     import torch
     import torch.nn.functional as F
 
-    from worker.model import PANEL_MAX_ROWS, Linear
-    from worker.model_loader import load_model
+    from metroserve.worker.model import PANEL_MAX_ROWS, Linear
+    from metroserve.worker.model_loader import load_model
 
     model = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
     projections = [m for m in model.layers.modules() if isinstance(m, Linear)]

@@ -16,9 +16,9 @@ import pytest
 import redis
 import redis.asyncio.client
 
-from kvstore import MemoryKVStore, RequestRecord, open_kvstore
-from kvstore.block_hash import hash_prompt_blocks
-from kvstore.redis_store import RedisKVStore
+from metroserve.kvstore import MemoryKVStore, RequestRecord, open_kvstore
+from metroserve.common.block_hash import hash_prompt_blocks
+from metroserve.kvstore.redis_store import RedisKVStore
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -448,7 +448,7 @@ def test_data_lost_without_a_disconnect_is_rewritten(redis_server, write_after):
 
 
 def test_outage_keeps_serving_and_warns_once(caplog):
-    caplog.set_level(logging.WARNING, logger="kvstore.redis_store")
+    caplog.set_level(logging.WARNING, logger="metroserve.kvstore.redis_store")
     with RedisServer() as server:
         prefix = _prefix()
         records = [record("r1", output_token_ids={0: [1]})]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker import model_files
-from worker.model_files import ModelLoadError, default_model_path, resolve_model_dir
+from metroserve.worker import model_files
+from metroserve.worker.model_files import ModelLoadError, default_model_path, resolve_model_dir
 
 
 def _installed_smollm2() -> Path | None:

@@ -140,7 +140,7 @@ def test_spans_of_the_three_services_share_one_trace(tiny_model_dir):
 
 
 def test_histogram_buckets_follow_prometheus_le_semantics():
-    from worker.metrics import Histogram
+    from metroserve.worker.metrics import Histogram
 
     h = Histogram([0.1, 1.0])
     h.observe([0.1, 0.05, 0.5, 1.0, 3.0])
@@ -155,8 +155,8 @@ def test_histogram_buckets_follow_prometheus_le_semantics():
 def test_engine_collector_reports_speculation_and_respects_disable_log_stats(tiny_model_dir):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from worker import LLM, SamplingParams
-    from worker.metrics import EngineCollector
+    from metroserve.worker import LLM, SamplingParams
+    from metroserve.worker.metrics import EngineCollector
 
     llm = LLM(model=str(tiny_model_dir), kv_cache_memory="32MiB",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -189,7 +189,7 @@ def test_engine_collector_reports_speculation_and_respects_disable_log_stats(tin
 def test_serve_exports_one_trace_per_request_from_three_processes(tiny_model_dir, tmp_path):
     """The deployed path: --otlp-endpoint on serve reaches each process, and the context crosses
     the gateway -> scheduler metadata and the scheduler -> worker stream."""
-    from benchmarks.observability_overhead import SpanSink
+    from metroserve.benchmarks.observability_overhead import SpanSink
 
     sink = SpanSink()
     try:

@@ -31,7 +31,7 @@ def stack(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
     """Offline greedy outputs on the same weights: text and token counts."""
-    from worker import LLM, SamplingParams
+    from metroserve.worker import LLM, SamplingParams
 
     llm = LLM(model=str(smollm2_dir), kv_cache_memory="128MiB")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -158,11 +158,11 @@ def test_second_gateway_with_api_key_rest_and_grpc(stack, smollm2_dir, reference
     """Several gateways share one scheduler; --api-key protects REST and gRPC."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from metroserve_rpc import generation_pb2, generation_pb2_grpc
+    from metroserve.rpc import generation_pb2, generation_pb2_grpc
 
     port, grpc_port = free_port(), free_port()
     log = open(tmp_path / "gateway.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--scheduler", stack.scheduler_address,
+    proc = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", "gateway", "--scheduler", stack.scheduler_address,
                              "--port", str(port), "--grpc-port", str(grpc_port), "--model", str(smollm2_dir),
                              "--served-model-name", model_id, "--api-key", "sekret"], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvstore.block_hash import hash_prompt_blocks
-from scheduler.placement import RUNNING_SEQ_COST, WorkerLoad, choose_worker, leading_matches
+from metroserve.common.block_hash import hash_prompt_blocks
+from metroserve.scheduler.placement import RUNNING_SEQ_COST, WorkerLoad, choose_worker, leading_matches
 
 BS = 16
 

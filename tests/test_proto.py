@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.request_limits import RequestLimits
-from worker.sampling_params import SamplingParams
+from metroserve.common.request_limits import RequestLimits
+from metroserve.common.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_committed_stubs_match_proto_files(tmp_path):
     subprocess.run(["bash", str(ROOT / "scripts/gen_proto.sh"), str(tmp_path)], check=True,
                    env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
-    generated = sorted(p.name for p in (tmp_path / "metroserve_rpc").iterdir())
+    generated = sorted(p.name for p in (tmp_path / "metroserve/rpc").iterdir())
     assert generated, "protoc wrote nothing"
     for name in generated:
-        committed = ROOT / "proto/metroserve_rpc" / name
+        committed = ROOT / "proto/metroserve/rpc" / name
         assert committed.exists(), f"{name} is generated but not committed; run scripts/gen_proto.sh"
-        assert committed.read_text() == (tmp_path / "metroserve_rpc" / name).read_text(), \
+        assert committed.read_text() == (tmp_path / "metroserve/rpc" / name).read_text(), \
             f"{name} is stale; run scripts/gen_proto.sh"
 
 
@@ -34,7 +34,7 @@ def test_committed_stubs_match_proto_files(tmp_path):
                    include_stop_str_in_output=True, logprobs=4, skip_special_tokens=False),
 ])
 def test_sampling_params_round_trip(params):
-    from metroserve_rpc.convert import params_from_proto, params_to_dict, params_to_proto
+    from metroserve.rpc.convert import params_from_proto, params_to_dict, params_to_proto
 
     back = params_from_proto(params_to_proto(params))
     assert params_to_dict(back) == params_to_dict(params)
@@ -42,15 +42,15 @@ def test_sampling_params_round_trip(params):
 
 
 def test_limits_round_trip():
-    from metroserve_rpc.convert import limits_from_proto, limits_to_proto
+    from metroserve.rpc.convert import limits_from_proto, limits_to_proto
 
     limits = RequestLimits(vocab_size=512, max_model_len=2048, max_num_seqs=8, block_size=16, num_blocks=99)
     assert limits_from_proto(limits_to_proto(limits)) == limits
 
 
 def test_out_of_range_params_from_the_wire_raise_value_error():
-    from metroserve_rpc import generation_pb2
-    from metroserve_rpc.convert import params_from_proto
+    from metroserve.rpc import generation_pb2
+    from metroserve.rpc.convert import params_from_proto
 
     with pytest.raises(ValueError, match="top_p"):
         params_from_proto(generation_pb2.SamplingParams(top_p=1.5))

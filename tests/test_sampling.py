@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.conftest import assert_all_blocks_free
-from worker import LLM, SamplingParams
-from worker.sampler import Sampler
-from worker.sequence import Request
+from metroserve.worker import LLM, SamplingParams
+from metroserve.worker.sampler import Sampler
+from metroserve.worker.sequence import Request
 
 
 @pytest.fixture(scope="module")

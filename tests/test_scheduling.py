@@ -3,7 +3,7 @@
 import torch
 
 from tests.conftest import assert_all_blocks_free
-from worker import LLM, LLMEngine, SamplingParams
+from metroserve.worker import LLM, LLMEngine, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 

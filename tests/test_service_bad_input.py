@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from metroserve_rpc import generation_pb2, generation_pb2_grpc
+from metroserve.rpc import generation_pb2, generation_pb2_grpc
 from tests.stack import ServeStack
 
 VOCAB = 512  # the tiny model's vocabulary

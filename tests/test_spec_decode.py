@@ -9,11 +9,11 @@ import torch
 
 from tests.conftest import assert_all_blocks_free, build_tiny_model
 from tests.reference import NEAR_TIE
-from worker import LLM, LLMEngine, SamplingParams
-from worker.config import EngineConfig
-from worker.spec_decode.config import SpeculativeConfig
-from worker.spec_decode.ngram_proposer import NgramProposer
-from worker.spec_decode.rejection_sampler import rejection_sample
+from metroserve.worker import LLM, LLMEngine, SamplingParams
+from metroserve.worker.config import EngineConfig
+from metroserve.worker.spec_decode.config import SpeculativeConfig
+from metroserve.worker.spec_decode.ngram_proposer import NgramProposer
+from metroserve.worker.spec_decode.rejection_sampler import rejection_sample
 
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -338,8 +338,8 @@ def test_serve_with_speculation_gives_plain_text(tiny_model_dir, tmp_path):
 
 
 def test_bench_speculative_runs_every_section(tiny_model_dir, tmp_path, monkeypatch):
-    import benchmarks.speculative as bench
-    from services.cli import main
+    import metroserve.benchmarks.speculative as bench
+    from metroserve.services.cli import main
 
     monkeypatch.setattr(bench, "cache_root", lambda: tmp_path)  # the early-exit draft is written here
     out_file = tmp_path / "spec.json"

@@ -11,9 +11,9 @@ import torch
 
 from tests.test_attention import random_layout
 from tests.test_greedy_vs_hf import check_all, run, tiny_prompts
-from worker import LLM, SamplingParams
-from worker.attention import TorchAttention
-from worker.kv_cache import KVCache
+from metroserve.worker import LLM, SamplingParams
+from metroserve.worker.attention import TorchAttention
+from metroserve.worker.kv_cache import KVCache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -36,7 +36,7 @@ def random_batch(rng: torch.Generator, bs: int, decode_only: bool = False) -> tu
 
 
 def run_both(layout, num_heads, num_kv_heads, head_dim, bs, num_blocks, dtype, device, rng, split_kv=False):
-    from worker.triton_attention import TritonAttention
+    from metroserve.worker.triton_attention import TritonAttention
 
     layout = on_device(layout, device)
     torch_cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, dtype, device)
@@ -86,7 +86,7 @@ def test_triton_other_block_sizes_and_block_edges(bs):
 
 def test_padded_rows_write_and_compute_nothing():
     """A CUDA-graph batch pads with slot -1 and query length 0: the pool and other rows stay as they were."""
-    from worker.triton_attention import TritonAttention
+    from metroserve.worker.triton_attention import TritonAttention
 
     rng = torch.Generator().manual_seed(3)
     bs, num_kv_heads, head_dim = 16, 2, 64
@@ -137,7 +137,7 @@ def test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_
 
 def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts):
     """The CUDA-graph path without a GPU: decode steps padded to the captured sizes, run eagerly."""
-    from worker.cuda_graphs import CudaGraphRunner
+    from metroserve.worker.cuda_graphs import CudaGraphRunner
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12, 7, 2)]
     engine_args = dict(attention_backend="triton", device=DEVICE.type, dtype="float32", enforce_eager=True)
@@ -161,7 +161,7 @@ def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts):
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
-    from worker.attention import make_attention_backend
+    from metroserve.worker.attention import make_attention_backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -186,7 +186,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_profile_batch_runs_through_the_model(tiny_model_dir, backend):
     """The step that sizes the KV pool on CUDA: 40 tokens as prompts of at most 16, each in its own blocks."""
-    from worker.gpu_memory import profile_batch
+    from metroserve.worker.gpu_memory import profile_batch
 
     llm = LLM(str(tiny_model_dir), attention_backend=backend, device=DEVICE.type, dtype="float32", enforce_eager=True)
     engine = llm.engine

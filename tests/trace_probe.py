@@ -23,10 +23,10 @@ EXPECTED_SPANS = 7  # gateway 1, scheduler 2, worker 4
 
 
 async def probe(model_dir: str, exporter: InMemorySpanExporter) -> None:
-    from scheduler.server import SchedulerOptions, run_scheduler
-    from services.gateway import GatewayOptions, run_gateway
-    from worker.config import EngineConfig
-    from worker.service import WorkerOptions, WorkerService
+    from metroserve.scheduler.server import SchedulerOptions, run_scheduler
+    from metroserve.services.gateway import GatewayOptions, run_gateway
+    from metroserve.worker.config import EngineConfig
+    from metroserve.worker.service import WorkerOptions, WorkerService
 
     scheduler_port, rest_port = free_port(), free_port()
     stop = asyncio.Event()

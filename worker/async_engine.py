@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable
 from typing import Protocol
 
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.outputs import RequestOutput, make_request_output
-from worker.sampling_params import SamplingParams
-from worker.sequence import Request
+from metroserve.worker.config import EngineConfig
+from metroserve.worker.engine import LLMEngine
+from metroserve.worker.outputs import RequestOutput, make_request_output
+from metroserve.common.sampling_params import SamplingParams
+from metroserve.worker.sequence import Request
 
 logger = logging.getLogger(__name__)
 

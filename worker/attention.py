@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from worker.kv_cache import KVCache
+from metroserve.worker.kv_cache import KVCache
 
 
 @dataclass
@@ -191,14 +191,14 @@ class TorchAttention:
 def make_attention_backend(name: str, block_size: int, device: torch.device, dtype: torch.dtype,
                            num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
     """auto: Triton on CUDA; on CPU the compiled kernel for float32 when it builds and fits the model, else torch."""
-    from worker.cpu_attention import CpuAttention
-    from worker.cpu_kernels import load_cpu_kernels
+    from metroserve.worker.cpu_attention import CpuAttention
+    from metroserve.worker.cpu_kernels import load_cpu_kernels
 
     if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_importable()):
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention backend runs on CUDA; on CPU only in Triton's interpreter "
                              "(set TRITON_INTERPRET=1: slow, for tests). Choose auto, cpu or torch")
-        from worker.triton_attention import TritonAttention
+        from metroserve.worker.triton_attention import TritonAttention
 
         # Split-KV fills a GPU's SMs; in the interpreter it would only multiply the programs run one by one.
         return TritonAttention(block_size, num_heads, num_kv_heads, head_dim, dtype, split_kv=device.type == "cuda")

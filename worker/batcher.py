@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from worker.block_manager import BlockManager
-from worker.sequence import Sequence, SequenceStatus
+from metroserve.worker.block_manager import BlockManager
+from metroserve.worker.sequence import Sequence, SequenceStatus
 
 
 @dataclass

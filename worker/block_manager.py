@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvstore.block_hash import ROOT_HASH, BlockHash, hash_block
-from worker.sequence import Sequence
+from metroserve.common.block_hash import ROOT_HASH, BlockHash, hash_block
+from metroserve.worker.sequence import Sequence
 
 
 @dataclass

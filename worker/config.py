@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass, fields
 
-from worker.spec_decode.config import SpeculativeConfig
+from metroserve.worker.spec_decode.config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import MAX_ROW_QUERY, BatchLayout, TorchAttention, query_rows
-from worker.cpu_kernels import load_cpu_kernels
-from worker.kv_cache import KVCache
+from metroserve.worker.attention import MAX_ROW_QUERY, BatchLayout, TorchAttention, query_rows
+from metroserve.worker.cpu_kernels import load_cpu_kernels
+from metroserve.worker.kv_cache import KVCache
 
 
 @dataclass

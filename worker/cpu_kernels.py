@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from worker.model_files import cache_root
+from metroserve.worker.model_files import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -15,25 +15,26 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import make_attention_backend
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.config import EngineConfig, parse_size
-from worker.cpu_allocator import keep_freed_memory
-from worker.detokenizer import IncrementalDetokenizer
-from worker.gpu_memory import kv_budget_bytes, profile_step_peak
-from worker.kv_cache import KVCache
-from worker.metrics import EngineMetrics
-from worker.model_files import resolve_model_dir
-from worker.model_loader import load_model, load_tokenizer
-from worker.model_runner import ModelRunner
-from worker.request_limits import RequestLimits, check_request
-from worker.sampler import Sampler
-from worker.sampling_params import SamplingParams
-from worker.sequence import Request, Sequence, SequenceStatus
-from worker.spec_decode.config import SpeculativeConfig
-from worker.spec_decode.draft_proposer import DraftModelProposer
-from worker.spec_decode.speculator import SpecDecodeStats, Speculator
+from metroserve.worker.attention import make_attention_backend
+from metroserve.worker.batcher import Batcher
+from metroserve.worker.block_manager import BlockManager
+from metroserve.worker.config import EngineConfig, parse_size
+from metroserve.worker.cpu_allocator import keep_freed_memory
+from metroserve.common.detokenizer import IncrementalDetokenizer
+from metroserve.worker.gpu_memory import kv_budget_bytes, profile_step_peak
+from metroserve.worker.kv_cache import KVCache
+from metroserve.worker.metrics import EngineMetrics
+from metroserve.worker.model_files import resolve_model_dir
+from metroserve.common.tokenizer import load_tokenizer
+from metroserve.worker.model_loader import load_model
+from metroserve.worker.model_runner import ModelRunner
+from metroserve.common.request_limits import RequestLimits, check_request
+from metroserve.worker.sampler import Sampler
+from metroserve.common.sampling_params import SamplingParams
+from metroserve.worker.sequence import Request, Sequence, SequenceStatus
+from metroserve.worker.spec_decode.config import SpeculativeConfig
+from metroserve.worker.spec_decode.draft_proposer import DraftModelProposer
+from metroserve.worker.spec_decode.speculator import SpecDecodeStats, Speculator
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,8 +107,8 @@ class LLMEngine:
         graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             # Imported here: Triton is only needed on CUDA (or in its interpreter, for tests).
-            from worker.cuda_graphs import CudaGraphRunner
-            from worker.triton_attention import TritonAttention
+            from metroserve.worker.cuda_graphs import CudaGraphRunner
+            from metroserve.worker.triton_attention import TritonAttention
 
             if isinstance(self.attention, TritonAttention):
                 graphs = CudaGraphRunner(self.model, self.kv_cache, self.attention, config.max_num_seqs,

@@ -13,9 +13,9 @@ import logging
 import numpy as np
 import torch
 
-from worker.attention import AttentionBackend, BatchLayout
-from worker.kv_cache import KVCache
-from worker.model import LlamaForCausalLM
+from metroserve.worker.attention import AttentionBackend, BatchLayout
+from metroserve.worker.kv_cache import KVCache
+from metroserve.worker.model import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from worker.chat import chat_prompt_ids
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.outputs import RequestOutput, make_request_output
-from worker.sampling_params import SamplingParams
+from metroserve.common.chat import chat_prompt_ids
+from metroserve.worker.config import EngineConfig
+from metroserve.worker.engine import LLMEngine
+from metroserve.worker.outputs import RequestOutput, make_request_output
+from metroserve.common.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]

@@ -19,8 +19,8 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
-    from worker.engine import LLMEngine
-    from worker.sequence import Request
+    from metroserve.worker.engine import LLMEngine
+    from metroserve.worker.sequence import Request
 
 PREFIX = "metroserve:"
 

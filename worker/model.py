@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionBackend
-from worker.kv_cache import KVCache
+from metroserve.worker.attention import AttentionBackend
+from metroserve.worker.kv_cache import KVCache
 
 
 @dataclass

@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from worker.cpu_kernels import load_cpu_kernels
-from worker.model import LlamaForCausalLM, ModelConfig, rope_inv_freq
-from worker.model_files import ModelLoadError
+from metroserve.worker.cpu_kernels import load_cpu_kernels
+from metroserve.worker.model import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from metroserve.worker.model_files import ModelLoadError
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -54,12 +54,3 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
         if kernels is not None:
             model.use_cpu_kernels(kernels)
     return model.eval()
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from e

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from worker.attention import AttentionBackend, BatchLayout
-from worker.batcher import ScheduledBatch
-from worker.kv_cache import KVCache
-from worker.model import LlamaForCausalLM
-from worker.sampler import Sampler
-from worker.sequence import Sequence
-from worker.spec_decode.draft_proposer import DraftModelProposer
-from worker.spec_decode.rejection_sampler import RejectionSampler
+from metroserve.worker.attention import AttentionBackend, BatchLayout
+from metroserve.worker.batcher import ScheduledBatch
+from metroserve.worker.kv_cache import KVCache
+from metroserve.worker.model import LlamaForCausalLM
+from metroserve.worker.sampler import Sampler
+from metroserve.worker.sequence import Sequence
+from metroserve.worker.spec_decode.draft_proposer import DraftModelProposer
+from metroserve.worker.spec_decode.rejection_sampler import RejectionSampler
 
 if TYPE_CHECKING:
-    from worker.cuda_graphs import CudaGraphRunner
+    from metroserve.worker.cuda_graphs import CudaGraphRunner
 
 
 @dataclass

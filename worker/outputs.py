@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.sequence import Request, RequestMetrics
+from metroserve.worker.sequence import Request, RequestMetrics
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.sampling_params import SamplingParams
-from worker.sequence import Sequence
+from metroserve.common.sampling_params import SamplingParams
+from metroserve.worker.sequence import Sequence
 
 
 @dataclass

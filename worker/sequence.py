@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.block_hash import BlockHash, extra_keys_for
-from worker.sampling_params import SamplingParams
+from metroserve.common.block_hash import BlockHash, extra_keys_for
+from metroserve.common.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

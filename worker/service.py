@@ -35,15 +35,15 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry
 
-from metroserve_rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
-from metroserve_rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
-from services.metrics_http import start_metrics_server
-from services.tracing import extract_context, ns, tracer
-from worker.async_engine import AsyncEngine, EngineDeadError
-from worker.config import EngineConfig
-from worker.metrics import EngineCollector
-from worker.model_files import served_model_name
-from worker.outputs import RequestOutput
+from metroserve.rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
+from metroserve.rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
+from metroserve.services.metrics_http import start_metrics_server
+from metroserve.services.tracing import extract_context, ns, tracer
+from metroserve.worker.async_engine import AsyncEngine, EngineDeadError
+from metroserve.worker.config import EngineConfig
+from metroserve.worker.metrics import EngineCollector
+from metroserve.worker.model_files import served_model_name
+from metroserve.worker.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

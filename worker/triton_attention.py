@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.attention import BatchLayout
-from worker.kv_cache import KVCache
+from metroserve.worker.attention import BatchLayout
+from metroserve.worker.kv_cache import KVCache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.attention import BatchLayout, make_attention_backend
-from worker.kv_cache import KVCache
-from worker.model_files import resolve_model_dir
-from worker.model_loader import load_model, load_tokenizer
-from worker.sampler import Sampler
-from worker.sequence import Sequence
+from metroserve.worker.attention import BatchLayout, make_attention_backend
+from metroserve.worker.kv_cache import KVCache
+from metroserve.worker.model_files import resolve_model_dir
+from metroserve.common.tokenizer import load_tokenizer
+from metroserve.worker.model_loader import load_model
+from metroserve.worker.sampler import Sampler
+from metroserve.worker.sequence import Sequence
 
 
 class DraftModelProposer:

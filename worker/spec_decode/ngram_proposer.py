@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from worker.sequence import Sequence
+from metroserve.worker.sequence import Sequence
 
 
 class NgramProposer:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.sampler import Sampler
-from worker.sequence import Sequence
+from metroserve.worker.sampler import Sampler
+from metroserve.worker.sequence import Sequence
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.sequence import Sequence
-from worker.spec_decode.config import SpeculativeConfig
-from worker.spec_decode.ngram_proposer import NgramProposer
+from metroserve.worker.sequence import Sequence
+from metroserve.worker.spec_decode.config import SpeculativeConfig
+from metroserve.worker.spec_decode.ngram_proposer import NgramProposer
 
 
 @dataclass

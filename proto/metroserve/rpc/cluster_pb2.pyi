@@ -1,4 +1,4 @@
-from metroserve_rpc import generation_pb2 as _generation_pb2
+from metroserve.rpc import generation_pb2 as _generation_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

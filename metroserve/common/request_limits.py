@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.sampling_params import SamplingParams
+from metroserve.common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from metroserve_rpc import generation_pb2 as metroserve__rpc_dot_generation__pb2
+from metroserve.rpc import generation_pb2 as metroserve_dot_rpc_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in metroserve_rpc/generation_pb2_grpc.py depends on'
+        + ' but the generated code in metroserve/rpc/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/metroserve.v1.Generation/Generate',
-                request_serializer=metroserve__rpc_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=metroserve__rpc_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=metroserve_dot_rpc_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=metroserve_dot_rpc_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/metroserve.v1.Generation/Abort',
-                request_serializer=metroserve__rpc_dot_generation__pb2.AbortRequest.SerializeToString,
-                response_deserializer=metroserve__rpc_dot_generation__pb2.AbortResponse.FromString,
+                request_serializer=metroserve_dot_rpc_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=metroserve_dot_rpc_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/metroserve.v1.Generation/ListModels',
-                request_serializer=metroserve__rpc_dot_generation__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=metroserve__rpc_dot_generation__pb2.ListModelsResponse.FromString,
+                request_serializer=metroserve_dot_rpc_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=metroserve_dot_rpc_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -79,18 +79,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=metroserve__rpc_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=metroserve__rpc_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=metroserve_dot_rpc_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=metroserve_dot_rpc_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=metroserve__rpc_dot_generation__pb2.AbortRequest.FromString,
-                    response_serializer=metroserve__rpc_dot_generation__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=metroserve_dot_rpc_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=metroserve_dot_rpc_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=metroserve__rpc_dot_generation__pb2.ListModelsRequest.FromString,
-                    response_serializer=metroserve__rpc_dot_generation__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=metroserve_dot_rpc_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=metroserve_dot_rpc_dot_generation__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -118,8 +118,8 @@ class Generation:
             request,
             target,
             '/metroserve.v1.Generation/Generate',
-            metroserve__rpc_dot_generation__pb2.GenerateRequest.SerializeToString,
-            metroserve__rpc_dot_generation__pb2.GenerateResponse.FromString,
+            metroserve_dot_rpc_dot_generation__pb2.GenerateRequest.SerializeToString,
+            metroserve_dot_rpc_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -145,8 +145,8 @@ class Generation:
             request,
             target,
             '/metroserve.v1.Generation/Abort',
-            metroserve__rpc_dot_generation__pb2.AbortRequest.SerializeToString,
-            metroserve__rpc_dot_generation__pb2.AbortResponse.FromString,
+            metroserve_dot_rpc_dot_generation__pb2.AbortRequest.SerializeToString,
+            metroserve_dot_rpc_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -172,8 +172,8 @@ class Generation:
             request,
             target,
             '/metroserve.v1.Generation/ListModels',
-            metroserve__rpc_dot_generation__pb2.ListModelsRequest.SerializeToString,
-            metroserve__rpc_dot_generation__pb2.ListModelsResponse.FromString,
+            metroserve_dot_rpc_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            metroserve_dot_rpc_dot_generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from metroserve_rpc import cluster_pb2 as metroserve__rpc_dot_cluster__pb2
+from metroserve.rpc import cluster_pb2 as metroserve_dot_rpc_dot_cluster__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in metroserve_rpc/cluster_pb2_grpc.py depends on'
+        + ' but the generated code in metroserve/rpc/cluster_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class WorkerHubStub:
         """
         self.Connect = channel.stream_stream(
                 '/metroserve.v1.WorkerHub/Connect',
-                request_serializer=metroserve__rpc_dot_cluster__pb2.WorkerMessage.SerializeToString,
-                response_deserializer=metroserve__rpc_dot_cluster__pb2.SchedulerMessage.FromString,
+                request_serializer=metroserve_dot_rpc_dot_cluster__pb2.WorkerMessage.SerializeToString,
+                response_deserializer=metroserve_dot_rpc_dot_cluster__pb2.SchedulerMessage.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_WorkerHubServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=metroserve__rpc_dot_cluster__pb2.WorkerMessage.FromString,
-                    response_serializer=metroserve__rpc_dot_cluster__pb2.SchedulerMessage.SerializeToString,
+                    request_deserializer=metroserve_dot_rpc_dot_cluster__pb2.WorkerMessage.FromString,
+                    response_serializer=metroserve_dot_rpc_dot_cluster__pb2.SchedulerMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class WorkerHub:
             request_iterator,
             target,
             '/metroserve.v1.WorkerHub/Connect',
-            metroserve__rpc_dot_cluster__pb2.WorkerMessage.SerializeToString,
-            metroserve__rpc_dot_cluster__pb2.SchedulerMessage.FromString,
+            metroserve_dot_rpc_dot_cluster__pb2.WorkerMessage.SerializeToString,
+            metroserve_dot_rpc_dot_cluster__pb2.SchedulerMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -108,8 +108,8 @@ class ClusterStub:
         """
         self.GetStatus = channel.unary_unary(
                 '/metroserve.v1.Cluster/GetStatus',
-                request_serializer=metroserve__rpc_dot_cluster__pb2.ClusterStatusRequest.SerializeToString,
-                response_deserializer=metroserve__rpc_dot_cluster__pb2.ClusterStatus.FromString,
+                request_serializer=metroserve_dot_rpc_dot_cluster__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=metroserve_dot_rpc_dot_cluster__pb2.ClusterStatus.FromString,
                 _registered_method=True)
 
 
@@ -127,8 +127,8 @@ def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=metroserve__rpc_dot_cluster__pb2.ClusterStatusRequest.FromString,
-                    response_serializer=metroserve__rpc_dot_cluster__pb2.ClusterStatus.SerializeToString,
+                    request_deserializer=metroserve_dot_rpc_dot_cluster__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=metroserve_dot_rpc_dot_cluster__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -156,8 +156,8 @@ class Cluster:
             request,
             target,
             '/metroserve.v1.Cluster/GetStatus',
-            metroserve__rpc_dot_cluster__pb2.ClusterStatusRequest.SerializeToString,
-            metroserve__rpc_dot_cluster__pb2.ClusterStatus.FromString,
+            metroserve_dot_rpc_dot_cluster__pb2.ClusterStatusRequest.SerializeToString,
+            metroserve_dot_rpc_dot_cluster__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,
