@@ -31,7 +31,7 @@ class WorkerLink:
         self.inflight_blocks: Counter = Counter()
         self.num_placed_seqs = 0
         self._assign: list[cluster_pb2.Assignment] = []
-        self._abort: list[str] = []
+        self._end: list[cluster_pb2.PlacementEnd] = []
         self.wakeup = asyncio.Event()
         self.closed = asyncio.Event()  # set when the scheduler gives up on this link (lease expired)
 
@@ -54,8 +54,9 @@ class WorkerLink:
         self._assign.append(assignment)
         self.wakeup.set()
 
-    def release(self, placement: Placement, abort: bool) -> None:
-        """The placement is over here: finished, aborted (tell the worker) or handed back."""
+    def release(self, placement: Placement, abort: bool, finish_reasons: list[str] = ()) -> None:
+        """The placement is over here: finished, ended by the scheduler (tell the worker, with each
+        sequence's finish reason; none given: all "abort") or handed back."""
         if self.placements.pop(placement.placement_id, None) is None:
             return
         for h in placement.block_hashes:
@@ -68,12 +69,13 @@ class WorkerLink:
             if len(unsent) < len(self._assign):  # never reached the worker: nothing to abort there
                 self._assign = unsent
             else:
-                self._abort.append(placement.placement_id)
+                self._end.append(cluster_pb2.PlacementEnd(placement_id=placement.placement_id,
+                                                          finish_reasons=list(finish_reasons)))
                 self.wakeup.set()
 
     def take_message(self) -> cluster_pb2.SchedulerMessage | None:
-        if not self._assign and not self._abort:
+        if not self._assign and not self._end:
             return None
-        msg = cluster_pb2.SchedulerMessage(assign=self._assign, abort=self._abort)
-        self._assign, self._abort = [], []
+        msg = cluster_pb2.SchedulerMessage(assign=self._assign, end=self._end)
+        self._assign, self._end = [], []
         return msg

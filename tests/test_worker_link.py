@@ -39,7 +39,7 @@ def test_abort_before_the_assignment_left_cancels_it_silently():
     link.release(gone, abort=True)
     msg = link.take_message()
     assert [a.placement_id for a in msg.assign] == [kept.placement_id]
-    assert list(msg.abort) == []  # the worker never heard of it: no abort to send
+    assert list(msg.end) == []  # the worker never heard of it: no abort to send
     assert link.num_placed_seqs == 1 and link.inflight_blocks[b"h" * 16] == 1
 
 
@@ -49,5 +49,5 @@ def test_abort_after_the_assignment_left_is_sent():
     link.assign(p, cluster_pb2.Assignment(placement_id=p.placement_id))
     link.take_message()
     link.release(p, abort=True)
-    assert list(link.take_message().abort) == [p.placement_id]
+    assert [e.placement_id for e in link.take_message().end] == [p.placement_id]
     assert link.num_placed_seqs == 0 and not link.inflight_blocks

@@ -217,9 +217,9 @@ class WorkerService:
     def _handle(self, msg: cluster_pb2.SchedulerMessage) -> None:
         if msg.heartbeat_interval_s > 0:
             self._heartbeat_s = msg.heartbeat_interval_s
-        for pid in msg.abort:
-            self._discard(pid)
-            self.engine.abort(pid)
+        for end in msg.end:
+            self._discard(end.placement_id)
+            self.engine.abort(end.placement_id)
         for a in msg.assign:
             try:
                 params = params_from_proto(a.params)

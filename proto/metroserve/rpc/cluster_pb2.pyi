@@ -118,15 +118,23 @@ class Assignment(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     def __init__(self, placement_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class PlacementEnd(_message.Message):
+    __slots__ = ("placement_id", "finish_reasons")
+    PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    placement_id: str
+    finish_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, placement_id: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SchedulerMessage(_message.Message):
-    __slots__ = ("assign", "abort", "heartbeat_interval_s")
+    __slots__ = ("assign", "end", "heartbeat_interval_s")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
-    ABORT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     assign: _containers.RepeatedCompositeFieldContainer[Assignment]
-    abort: _containers.RepeatedScalarFieldContainer[str]
+    end: _containers.RepeatedCompositeFieldContainer[PlacementEnd]
     heartbeat_interval_s: float
-    def __init__(self, assign: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, assign: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., end: _Optional[_Iterable[_Union[PlacementEnd, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
     __slots__ = ()

@@ -129,11 +129,25 @@ class GenerateResponse(_message.Message):
     num_cached_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
+class SequenceEnd(_message.Message):
+    __slots__ = ("index", "finish_reason", "num_tokens", "stop_reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    finish_reason: str
+    num_tokens: int
+    stop_reason: str
+    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "ended")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    ended: _containers.RepeatedCompositeFieldContainer[SequenceEnd]
+    def __init__(self, request_id: _Optional[str] = ..., ended: _Optional[_Iterable[_Union[SequenceEnd, _Mapping]]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
