@@ -1,6 +1,6 @@
 """The scheduler's Prometheus view: queue depth, per-worker load, placements, migrations, rejections.
 
-Everything is read from the Scheduler at scrape time (it already keeps these numbers for
+Everything is read from the SchedulerCore at scrape time (it already keeps these numbers for
 GetStatus); scrapes run on the scheduler's event loop, between its other tasks.
 """
 
@@ -13,11 +13,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from metroserve.worker.metrics import PREFIX
 
 if TYPE_CHECKING:
-    from metroserve.scheduler.server import Scheduler
+    from metroserve.scheduler.core import SchedulerCore
 
 
 class SchedulerCollector:
-    def __init__(self, scheduler: "Scheduler"):
+    def __init__(self, scheduler: "SchedulerCore"):
         self.scheduler = scheduler
 
     def collect(self):

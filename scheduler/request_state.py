@@ -58,7 +58,7 @@ class RequestState:
     finish_reasons: list[str | None] = field(init=False)
     num_cached_tokens: int = 0
     placements: dict[str, Placement] = field(default_factory=dict)  # live ones
-    # What the Generate stream sends: GenerateResponse messages, or an exception to end with.
+    # What the Generate stream sends: GenerateResponse messages, or a core.RequestError to end with.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
     # Telemetry (scheduler/telemetry.py): monotonic times, workers placed on, the trace span.

@@ -51,3 +51,15 @@ def test_abort_after_the_assignment_left_is_sent():
     link.release(p, abort=True)
     assert [e.placement_id for e in link.take_message().end] == [p.placement_id]
     assert link.num_placed_seqs == 0 and not link.inflight_blocks
+
+
+def test_an_ended_placement_tells_the_worker_each_sequences_reason():
+    link = _link()
+    p = _placement("r")
+    link.assign(p, cluster_pb2.Assignment(placement_id=p.placement_id))
+    link.take_message()
+    link.release(p, abort=True, finish_reasons=["stop"])
+    (end,) = link.take_message().end
+    assert list(end.finish_reasons) == ["stop"]
+    link.release(p, abort=True)  # a second release of the same placement sends nothing
+    assert link.take_message() is None
