@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from metroserve.benchmarks.random_model import write_random_llama
 from metroserve.worker import EngineConfig, LLMEngine, SamplingParams
-from metroserve.worker.attention import BatchLayout, TorchAttention
+from metroserve.worker.attention import BatchLayout, TorchAttention, block_tables_to_slots
 from metroserve.worker.kv_cache import KVCache
 
 # Peak HBM bandwidth from the data sheets, bytes/s; other devices use the measured copy bandwidth.
@@ -111,7 +111,7 @@ def time_ms(fn, device: torch.device, repeats: int) -> float:
 
 def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats: int, emit) -> None:
     """One attention layer (K/V write plus attention), Triton vs the torch backend, per shape; emit(row) each."""
-    from metroserve.worker.triton_attention import TritonAttention
+    from metroserve.worker.attention.triton import TritonAttention
 
     rng = np.random.default_rng(0)
     cases = [(h, s) for h in cfg["kernel_heads"] for s in cfg["kernel_shapes"]]
@@ -126,13 +126,11 @@ def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats:
         for n in blocks_per_seq:
             tables.append(order[start : start + n].tolist())
             start += n
-        table_tensor = torch.zeros((len(tables), max(blocks_per_seq)), dtype=torch.long)
-        for i, t in enumerate(tables):
-            table_tensor[i, : len(t)] = torch.tensor(t)
-        slots = [tables[i][p // bs] * bs + p % bs for i, (q, c) in enumerate(zip(query_lens, context_lens))
-                 for p in range(c - q, c)]
+        seq_index = np.repeat(np.arange(len(query_lens)), query_lens)
+        positions = np.concatenate([np.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+        table_tensor, slots = block_tables_to_slots(tables, seq_index, positions, bs, device)
         layout = BatchLayout(np.cumsum([0] + query_lens[:-1]).tolist(), query_lens, context_lens, tables,
-                             table_tensor.to(device), torch.tensor(slots, device=device))
+                             table_tensor, slots)
         t = sum(query_lens)
         q = torch.randn(t, num_heads, head_dim, dtype=dtype, device=device)
         k = torch.randn(t, num_kv_heads, head_dim, dtype=dtype, device=device)

@@ -21,8 +21,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from metroserve.worker.triton_attention import (TritonAttention, _merge_segments_kernel, _paged_attention_kernel,  # noqa: E402
-                                     _pow2, _write_kv_kernel)
+from metroserve.worker.attention.triton import (TritonAttention, _merge_segments_kernel, _paged_attention_kernel,  # noqa: E402
+                                               _pow2, _write_kv_kernel)
 
 _POINTERS = {"block_tables_ptr": "*i64", "slot_ptr": "*i64", "partial_acc_ptr": "*fp32", "partial_ml_ptr": "*fp32",
              "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32"}

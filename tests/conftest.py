@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. triton.jit reads this
-# when a kernel is defined, so it is set before any test imports worker.triton_attention.
+# when a kernel is defined, so it is set before any test imports worker.attention.triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -1,29 +1,35 @@
 """Attention backends agree: the compiled CPU kernels against the torch (SDPA) backend."""
 
+import numpy as np
 import pytest
 import torch
 
-from metroserve.worker.attention import BatchLayout, TorchAttention
-from metroserve.worker.cpu_attention import CpuAttention
+from metroserve.worker.attention import BatchLayout, TorchAttention, block_tables_to_slots
+from metroserve.worker.attention.cpu import CpuAttention
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.kv_cache import KVCache
 
 
 def random_layout(rng: torch.Generator, num_blocks: int, bs: int, query_lens: list[int], context_lens: list[int]):
     perm = torch.randperm(num_blocks, generator=rng).tolist()
-    tables, slots, starts, pos = [], [], [], 0
-    for q_len, ctx in zip(query_lens, context_lens):
+    tables = []
+    for ctx in context_lens:
         n = -(-ctx // bs)
         table, perm = perm[:n], perm[n:]
         tables.append(table)
-        starts.append(pos)
-        pos += q_len
-        for p in range(ctx - q_len, ctx):
-            slots.append(table[p // bs] * bs + p % bs)
-    padded = torch.zeros((len(tables), max(map(len, tables))), dtype=torch.int64)
-    for row, table in enumerate(tables):
-        padded[row, : len(table)] = torch.tensor(table)
-    return BatchLayout(starts, list(query_lens), list(context_lens), tables, padded, torch.tensor(slots))
+    seq_index = np.repeat(np.arange(len(query_lens)), query_lens)
+    positions = np.concatenate([np.arange(ctx - q_len, ctx) for q_len, ctx in zip(query_lens, context_lens)])
+    padded, slots = block_tables_to_slots(tables, seq_index, positions, bs, torch.device("cpu"))
+    starts = np.cumsum([0, *query_lens[:-1]]).tolist()
+    return BatchLayout(starts, list(query_lens), list(context_lens), tables, padded, slots)
+
+
+def test_block_tables_to_slots():
+    """Slot = block id * block size + offset; tables pad with block 0 to the longest."""
+    tables, slots = block_tables_to_slots([[7, 2], [5]], np.array([0, 0, 0, 1]), np.array([0, 3, 4, 2]), 4,
+                                          torch.device("cpu"))
+    assert tables.tolist() == [[7, 2], [5, 0]] and tables.dtype == torch.int64
+    assert slots.tolist() == [28, 31, 8, 22] and slots.dtype == torch.int64
 
 
 # Block sizes other than 16 and contexts that are not multiples of 8 exercise the row lookup, the
@@ -58,3 +64,13 @@ def test_cpu_kernel_matches_torch_backend(num_heads, num_kv_heads, head_dim, bs)
     got = cpu_backend.forward(0, q, k, v, cache_copy, cpu_backend.prepare(layout))
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
     assert torch.equal(cache.k, cache_copy.k) and torch.equal(cache.v, cache_copy.v)
+
+
+def test_importing_the_package_leaves_triton_and_the_cpu_kernels_unloaded():
+    import subprocess
+    import sys
+
+    code = ("import sys, metroserve.worker.attention as a; a.TorchAttention; "
+            "print(sorted(m for m in ('triton', 'metroserve.worker.cpu_kernels') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "[]"

@@ -58,7 +58,7 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_model_dir, prompts):
 
 def test_device_cuda_defaults(tiny_model_dir, prompts):
     """bf16, the Triton backend, graphs captured, weights on the device, a pool sized from the profiled step."""
-    from metroserve.worker.triton_attention import TritonAttention
+    from metroserve.worker.attention.triton import TritonAttention
 
     llm = LLM(str(tiny_model_dir), device="cuda", gpu_memory_utilization=0.3)
     engine = llm.engine

@@ -36,7 +36,7 @@ def random_batch(rng: torch.Generator, bs: int, decode_only: bool = False) -> tu
 
 
 def run_both(layout, num_heads, num_kv_heads, head_dim, bs, num_blocks, dtype, device, rng, split_kv=False):
-    from metroserve.worker.triton_attention import TritonAttention
+    from metroserve.worker.attention.triton import TritonAttention
 
     layout = on_device(layout, device)
     torch_cache = KVCache(1, num_blocks, bs, num_kv_heads, head_dim, dtype, device)
@@ -86,7 +86,7 @@ def test_triton_other_block_sizes_and_block_edges(bs):
 
 def test_padded_rows_write_and_compute_nothing():
     """A CUDA-graph batch pads with slot -1 and query length 0: the pool and other rows stay as they were."""
-    from metroserve.worker.triton_attention import TritonAttention
+    from metroserve.worker.attention.triton import TritonAttention
 
     rng = torch.Generator().manual_seed(3)
     bs, num_kv_heads, head_dim = 16, 2, 64

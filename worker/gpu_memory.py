@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import torch
 
-from metroserve.worker.attention import AttentionBackend, BatchLayout
+from metroserve.worker.attention import AttentionBackend, BatchLayout, block_tables_to_slots
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model import LlamaForCausalLM
 
@@ -28,14 +28,10 @@ def profile_batch(num_tokens: int, max_model_len: int, block_size: int,
     blocks = [-(-n // block_size) for n in lens]
     first_block = np.cumsum([0] + blocks[:-1])
     tables = [list(range(f, f + b)) for f, b in zip(first_block.tolist(), blocks)]
-    table_tensor = torch.zeros((len(lens), max(blocks)), dtype=torch.long)
-    for i, t in enumerate(tables):
-        table_tensor[i, : len(t)] = torch.tensor(t)
     positions = np.concatenate([np.arange(n) for n in lens])
-    slots = np.concatenate([np.asarray(t)[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
-                            for t, n in zip(tables, lens)])
-    layout = BatchLayout(np.cumsum([0] + lens[:-1]).tolist(), lens, lens, tables, table_tensor.to(device),
-                         torch.from_numpy(slots).to(device))
+    table_tensor, slots = block_tables_to_slots(tables, np.repeat(np.arange(len(lens)), lens), positions, block_size,
+                                                device)
+    layout = BatchLayout(np.cumsum([0] + lens[:-1]).tolist(), lens, lens, tables, table_tensor, slots)
     return (torch.zeros(num_tokens, dtype=torch.long, device=device), torch.from_numpy(positions).to(device), layout,
             sum(blocks))
 

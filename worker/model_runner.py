@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from metroserve.worker.attention import AttentionBackend, BatchLayout
+from metroserve.worker.attention import AttentionBackend, BatchLayout, block_tables_to_slots
 from metroserve.worker.batcher import ScheduledBatch
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model import LlamaForCausalLM
@@ -94,7 +94,6 @@ class ModelRunner:
         return StepOutput(token_ids, logprobs)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
-        bs = self.block_size
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.asarray([s.num_computed_tokens for s in batch.seqs], dtype=np.int64)
         query_start = np.zeros(len(num_new) + 1, dtype=np.int64)
@@ -109,18 +108,14 @@ class ModelRunner:
             if seq.spec_token_ids:
                 ids.extend(seq.spec_token_ids)
         tables = [s.block_table for s in batch.seqs]
-        width = max(len(t) for t in tables)
-        table_arr = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            table_arr[i, : len(t)] = t
-        slots = table_arr[seq_of_token, positions // bs] * bs + positions % bs
+        table_tensor, slots = block_tables_to_slots(tables, seq_of_token, positions, self.block_size, self.device)
         layout = BatchLayout(
             query_start=query_start[:-1].tolist(),
             query_lens=batch.num_new_tokens,
             seq_lens=(starts + num_new).tolist(),
             block_tables=tables,
-            block_table_tensor=torch.from_numpy(table_arr).to(self.device),
-            slot_mapping=torch.from_numpy(slots).to(self.device),
+            block_table_tensor=table_tensor,
+            slot_mapping=slots,
         )
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.from_numpy(positions).to(self.device), layout)

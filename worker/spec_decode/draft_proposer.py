@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from metroserve.worker.attention import BatchLayout, make_attention_backend
+from metroserve.worker.attention import BatchLayout, block_tables_to_slots, make_attention_backend
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model_files import resolve_model_dir
 from metroserve.common.tokenizer import load_tokenizer
@@ -71,15 +71,10 @@ class DraftModelProposer:
             tokens = [s.spec_token_ids[-1] if j else s.token_ids[-1] for s in active]
             pos = np.asarray([s.num_tokens - 1 + j for s in active], dtype=np.int64)
             tables = [s.block_table for s in active]
-            width = max(len(t) for t in tables)
-            table_arr = np.zeros((len(active), width), dtype=np.int64)
-            for i, t in enumerate(tables):
-                table_arr[i, : len(t)] = t
-            slots = table_arr[np.arange(len(active)), pos // bs] * bs + pos % bs
+            table_tensor, slots = block_tables_to_slots(tables, np.arange(len(active)), pos, bs, self.device)
             layout = BatchLayout(query_start=list(range(len(active))), query_lens=[1] * len(active),
                                  seq_lens=(pos + 1).tolist(), block_tables=tables,
-                                 block_table_tensor=torch.from_numpy(table_arr).to(self.device),
-                                 slot_mapping=torch.from_numpy(slots).to(self.device))
+                                 block_table_tensor=table_tensor, slot_mapping=slots)
             positions = torch.from_numpy(pos).to(self.device)
             hidden = self.model(torch.tensor(tokens, device=self.device), positions, self.attention, self.kv_cache,
                                 self.attention.prepare(layout))

@@ -1,41 +1,14 @@
-"""Paged attention behind a small backend interface.
-
-The model runner describes a step's flat batch once (BatchLayout); a backend turns that into
-whatever metadata its kernels want (prepare, once per step) and then, per layer, writes the new
-K/V into their slots and attends over each sequence's paged context (forward). Backends: torch
-(here, any device), the compiled CPU kernels (cpu_attention.py) and Triton (triton_attention.py).
-"""
+"""Paged attention from torch ops (SDPA), for any device; also the KV write the CPU backend reuses."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from metroserve.worker.attention.base import MAX_ROW_QUERY, BatchLayout, QueryRows, query_rows
 from metroserve.worker.kv_cache import KVCache
-
-
-@dataclass
-class BatchLayout:
-    """One step's flat batch: sequence i owns query tokens [query_start[i], query_start[i] + query_lens[i])."""
-
-    query_start: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]  # context length after this step's tokens are written
-    block_tables: list[list[int]]
-    block_table_tensor: torch.Tensor  # [num_seqs, max_blocks] int64, the same tables padded with 0
-    slot_mapping: torch.Tensor  # [num_tokens] pool slot of each new token's K/V
-
-
-class AttentionBackend(Protocol):
-    def prepare(self, layout: BatchLayout) -> object: ...
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: object) -> torch.Tensor: ...
 
 
 @dataclass
@@ -62,28 +35,13 @@ class TorchMetadata:
     decode_groups: list[_DecodeGroup]
 
 
-# Queries this short (decodes; speculative verification of up to 16 drafts) attend token by token:
-# query token j of a sequence is a decode row whose context ends at its own position. Longer
-# chunks (prefills) attend as one causal block.
-MAX_ROW_QUERY = 17
-
-
-@dataclass
-class QueryRows:
-    token_index: list[int]  # rows of the flat batch
-    seq_lens: list[int]  # context each row sees (its own position + 1)
-    seq_index: list[int]  # the row's sequence in the layout
-
-
-def query_rows(layout: BatchLayout) -> QueryRows:
-    rows = QueryRows([], [], [])
-    for i, q_len in enumerate(layout.query_lens):
-        if q_len <= MAX_ROW_QUERY:
-            start, first_len = layout.query_start[i], layout.seq_lens[i] - q_len + 1
-            rows.token_index.extend(range(start, start + q_len))
-            rows.seq_lens.extend(range(first_len, first_len + q_len))
-            rows.seq_index.extend([i] * q_len)
-    return rows
+def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store this step's K/V in their slots; returns the layer's (k_pool, v_pool)."""
+    k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
+    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    return k_pool, v_pool
 
 
 class TorchAttention:
@@ -146,19 +104,11 @@ class TorchAttention:
                 metadata: TorchMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
-        k_pool, v_pool = self.write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
+        k_pool, v_pool = write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._prefill_attention(q, k, v, k_pool, v_pool, metadata.prefills, out)
         self._decode_attention(q, k_pool, v_pool, metadata, out)
         return out.view(num_tokens, num_heads * head_dim)
-
-    @staticmethod
-    def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor):
-        """Store this step's K/V in their slots; returns the layer's (k_pool, v_pool)."""
-        k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
-        k_pool.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-        v_pool.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-        return k_pool, v_pool
 
     @staticmethod
     def _prefill_attention(q, k, v, k_pool, v_pool, prefills: list[_Prefill], out: torch.Tensor) -> None:
@@ -186,30 +136,3 @@ class TorchAttention:
             vs = v_pool.index_select(0, g.block_ids).view(n, g.padded_len, num_kv_heads, head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, enable_gqa=True)
             out.index_copy_(0, g.token_index, o.squeeze(2))
-
-
-def make_attention_backend(name: str, block_size: int, device: torch.device, dtype: torch.dtype,
-                           num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
-    """auto: Triton on CUDA; on CPU the compiled kernel for float32 when it builds and fits the model, else torch."""
-    from metroserve.worker.cpu_attention import CpuAttention
-    from metroserve.worker.cpu_kernels import load_cpu_kernels
-
-    if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_importable()):
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the triton attention backend runs on CUDA; on CPU only in Triton's interpreter "
-                             "(set TRITON_INTERPRET=1: slow, for tests). Choose auto, cpu or torch")
-        from metroserve.worker.triton_attention import TritonAttention
-
-        # Split-KV fills a GPU's SMs; in the interpreter it would only multiply the programs run one by one.
-        return TritonAttention(block_size, num_heads, num_kv_heads, head_dim, dtype, split_kv=device.type == "cuda")
-    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32 and CpuAttention.supports(head_dim):
-        if load_cpu_kernels(required=name == "cpu") is not None:
-            return CpuAttention(block_size)
-    if name in ("auto", "torch"):
-        return TorchAttention(block_size)
-    raise ValueError(f"attention backend {name!r} is not available on {device.type} with {dtype}; "
-                     "choose auto or torch")
-
-
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metroserve.worker.attention import BatchLayout
+from metroserve.worker.attention.base import BatchLayout
 from metroserve.worker.kv_cache import KVCache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

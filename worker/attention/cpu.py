@@ -4,7 +4,8 @@ The torch backend gathers each decode's whole context into a padded tensor every
 that copy costs as much as the attention itself. csrc/paged_decode_attention.cpp walks the block
 table instead, and csrc/paged_prefill_attention.cpp does the same for prefill chunks (causal,
 after any cached or earlier-chunk context), 1.6x faster than SDPA's flash kernel on the
-throughput workload's prompts. Both are built with the other CPU kernels (cpu_kernels.py).
+throughput workload's prompts. Both are built with the other CPU kernels (cpu_kernels.py). The KV
+write is the torch backend's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from metroserve.worker.attention import MAX_ROW_QUERY, BatchLayout, TorchAttention, query_rows
+from metroserve.worker.attention.base import MAX_ROW_QUERY, BatchLayout, query_rows
+from metroserve.worker.attention.torch_backend import write_kv
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.kv_cache import KVCache
 
@@ -30,10 +32,12 @@ class CpuMetadata:
     seq_lens: torch.Tensor  # [n] int64
 
 
-class CpuAttention(TorchAttention):
+class CpuAttention:
     def __init__(self, block_size: int):
-        super().__init__(block_size)
-        self.kernels = load_cpu_kernels(required=True)
+        self.block_size = block_size
+        kernels = load_cpu_kernels(required=True)
+        assert kernels is not None  # required: a failed build raises instead
+        self.kernels = kernels
 
     @staticmethod
     def supports(head_dim: int) -> bool:
@@ -58,7 +62,7 @@ class CpuAttention(TorchAttention):
                 metadata: CpuMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
-        k_pool, v_pool = self.write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
+        k_pool, v_pool = write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = head_dim ** -0.5
         if metadata.prefill_start.numel():
