@@ -9,6 +9,9 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Callable
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -156,9 +159,63 @@ def _add_observability_args(p: argparse.ArgumentParser, *, metrics_port: int | N
                        help="no structured log line per finished request")
 
 
+class _LazyParser(argparse.ArgumentParser):
+    """A sub-command parser whose arguments are added only when it parses or prints its help.
+
+    The benchmarks define their flags in modules that import torch, transformers and matplotlib;
+    building them lazily keeps every other command from paying for those imports at start-up.
+    """
+
+    def __init__(self, *args, add_args: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._add_args = add_args
+
+    def _complete(self) -> None:
+        if self._add_args is not None:
+            add_args, self._add_args = self._add_args, None
+            add_args(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
+
+@dataclass(frozen=True)
+class _Benchmark:
+    module: str  # in metroserve.benchmarks, with add_arguments(parser) and the entry point
+    help: str
+    entry: str = "run"  # run(args) -> report; or "main": main(args) -> exit status, module doc as description
+
+    @property
+    def formatter(self) -> type[argparse.HelpFormatter]:
+        return argparse.RawDescriptionHelpFormatter if self.entry == "main" else argparse.ArgumentDefaultsHelpFormatter
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        module = import_module(f"metroserve.benchmarks.{self.module}")
+        module.add_arguments(parser)
+        if self.entry == "main":
+            parser.description = module.__doc__
+            parser.set_defaults(func=lambda args: sys.exit(module.main(args)))
+        else:
+            parser.set_defaults(func=module.run)
+
+
+_BENCHMARKS = {
+    "throughput": _Benchmark("throughput", "offline throughput vs transformers generate and generate_batch"),
+    "overhead": _Benchmark("serve_overhead", "the service path (REST -> gateway -> scheduler -> worker) vs offline"),
+    "speculative": _Benchmark("speculative", "speculative decoding (n-gram, draft model) vs plain decoding"),
+    "serve": _Benchmark("serving", "load generator for any OpenAI-compatible server: TTFT, TPOT, ITL, throughput, "
+                                   "goodput, prefix-cache hits; JSON and PNG plots", entry="main"),
+    "observability": _Benchmark("observability_overhead", "throughput with metrics, request logs and tracing on vs off"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from metroserve.benchmarks import observability_overhead, serve_overhead, serving, speculative, throughput
-    from metroserve.worker.config import EngineConfig
+    from metroserve.worker.config import EngineConfig  # torch-free: the flags only
 
     parser = argparse.ArgumentParser(prog="metroserve", description="LLM serving with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -218,28 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.set_defaults(func=_worker)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers generate and generate_batch",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    throughput.add_arguments(tp)
-    tp.set_defaults(func=throughput.run)
-    ov = bench_sub.add_parser("overhead", help="the service path (REST -> gateway -> scheduler -> worker) vs offline",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve_overhead.add_arguments(ov)
-    ov.set_defaults(func=serve_overhead.run)
-    sp = bench_sub.add_parser("speculative", help="speculative decoding (n-gram, draft model) vs plain decoding",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    speculative.add_arguments(sp)
-    sp.set_defaults(func=speculative.run)
-    bs = bench_sub.add_parser("serve", help="load generator for any OpenAI-compatible server: TTFT, TPOT, ITL, "
-                                            "throughput, goodput, prefix-cache hits; JSON and PNG plots",
-                              formatter_class=argparse.RawDescriptionHelpFormatter, description=serving.__doc__)
-    serving.add_arguments(bs)
-    bs.set_defaults(func=lambda a: sys.exit(serving.main(a)))
-    ob = bench_sub.add_parser("observability", help="throughput with metrics, request logs and tracing on vs off",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    observability_overhead.add_arguments(ob)
-    ob.set_defaults(func=observability_overhead.run)
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_LazyParser)
+    for name, b in _BENCHMARKS.items():
+        bench_sub.add_parser(name, help=b.help, formatter_class=b.formatter, add_args=b.add_to)
     return parser
 
 

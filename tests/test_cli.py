@@ -20,6 +20,27 @@ def test_generate_bad_flag_is_one_clear_line(tiny_model_dir):
         main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--top-p", "2"])
 
 
+def test_help_lists_every_command_and_benchmark(capsys):
+    for argv in (["--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    out = capsys.readouterr().out
+    for command in ("generate", "serve", "scheduler", "gateway", "worker", "bench"):
+        assert f"    {command} " in out
+    for benchmark in ("throughput", "overhead", "speculative", "serve", "observability"):
+        assert f"    {benchmark} " in out
+
+
+def test_bench_parser_is_built_when_chosen(capsys):
+    """A benchmark's flags and description come from its module, imported only when it is chosen."""
+    from metroserve.benchmarks import serving
+
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--base-url" in out and serving.__doc__.strip().splitlines()[0] in out
+
+
 def test_bench_throughput_runs_all_peers(tiny_model_dir, tmp_path, capsys):
     out_file = tmp_path / "tp.json"
     main(["bench", "throughput", "--model", str(tiny_model_dir), "--num-requests", "4", "--max-tokens", "8",
