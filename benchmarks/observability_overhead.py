@@ -42,9 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-out", type=Path, default=None)
 
 
+def _attribute(value):
+    """An OTLP AnyValue as Python: scalars as themselves, arrays as lists."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_attribute(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
 class SpanSink:
     """An OTLP/HTTP trace endpoint on loopback (a stand-in collector): accepts exports and keeps, for
-    each span, (service.name, span name, trace id). Port 0 picks a free one."""
+    each span, (service.name, span name, trace id) in `spans` and its name and attributes in
+    `span_records`. Port 0 picks a free one."""
 
     def __init__(self, port: int = 0):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,18 +63,23 @@ class SpanSink:
         self.exports = 0
         self.bytes = 0
         self.spans: list[tuple[str, str, str]] = []
+        self.span_records: list[dict] = []
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 spans = []
-                for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+                request = ExportTraceServiceRequest.FromString(body)
+                for resource_spans in request.resource_spans:
                     service = next((a.value.string_value for a in resource_spans.resource.attributes
                                     if a.key == "service.name"), "")
                     spans += [(service, s.name, s.trace_id.hex()) for scope in resource_spans.scope_spans
                               for s in scope.spans]
                 sink.spans += spans
+                sink.span_records += [{"name": s.name, "attributes": {a.key: _attribute(a.value) for a in s.attributes}}
+                                      for resource_spans in request.resource_spans
+                                      for scope in resource_spans.scope_spans for s in scope.spans]
                 sink.exports += 1
                 sink.bytes += len(body)
                 self.send_response(200)

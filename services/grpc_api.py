@@ -115,6 +115,8 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
             await stream.aclose()
 
     async def Abort(self, request, context):
+        if request.ended:  # how sequences ended is the gateway's report to the scheduler, not a client's
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ended: not accepted from clients")
         return generation_pb2.AbortResponse(found=await self.client.abort(request.request_id))
 
     async def ListModels(self, request, context):

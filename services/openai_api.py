@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from metroserve.rpc import generation_pb2
 from metroserve.services.text_stream import TextDelta, Usage
-from metroserve.common.sampling_params import SamplingParams, field_in_error
+from metroserve.common.sampling_params import ParamError, SamplingParams
 
 # Body field -> SamplingParams field, where they differ only in presence, not meaning.
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -67,8 +67,8 @@ def _sampling_params(body: dict, max_tokens: int | None, logprobs: int | None) -
         kwargs["logit_bias"] = body["logit_bias"]
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise BadRequest(str(e), param=field_in_error(str(e))) from None
+    except ParamError as e:
+        raise BadRequest(str(e), param=e.param) from None
 
 
 def _priority(body: dict) -> int:

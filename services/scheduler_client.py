@@ -69,8 +69,9 @@ class SchedulerClient:
         finally:
             call.cancel()  # no-op once the call is done
 
-    async def abort(self, request_id: str) -> bool:
-        return (await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id))).found
+    async def abort(self, request_id: str, ended: list[generation_pb2.SequenceEnd] = ()) -> bool:
+        """End a request; `ended`: sequences a stop string ended here (the rest end as "abort")."""
+        return (await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id, ended=ended))).found
 
     async def list_models(self) -> list[generation_pb2.ModelInfo]:
         try:

@@ -2,9 +2,12 @@
 
 Workers run without detokenization; the gateway turns each sequence's tokens into text with the
 same IncrementalDetokenizer the offline engine uses, and applies the same rules as
-LLMEngine._append_token: stop strings count only from min_tokens on, and a stop token or EOS that
-ended a sequence adds no text (a stop token does when include_stop_str_in_output). When a stop
-string ends every sequence, the upstream call is closed, which aborts the request on its worker.
+the engine (metroserve.common.stop_rules). When stop strings found here end the request, the
+gateway tells the scheduler how each sequence ended and how many tokens the client got (Abort with
+`ended`), so the scheduler's usage, request log and the worker's counters and span say "stop" and
+agree with the client. With n > 1 that report goes out when the last sequence ends; a sequence
+ended here by a stop string that reaches its own end on the worker before its siblings finish is
+recorded with the worker's reason and token count.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from metroserve.rpc.convert import params_to_proto
 from metroserve.services.scheduler_client import SchedulerClient
 from metroserve.common.detokenizer import IncrementalDetokenizer
 from metroserve.common.sampling_params import SamplingParams
+from metroserve.common.stop_rules import append_token
 
 
 @dataclass
@@ -55,30 +59,26 @@ class SequenceText:
         self.num_sent_chars = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.ended_here = False  # a stop string found here ended it, not the worker
 
     def add(self, delta: generation_pb2.SequenceDelta) -> TextDelta | None:
         if self.finish_reason is not None:
             return None  # a stop string ended it here; the worker's later tokens are discarded
-        p = self.params
-        upstream_stop = delta.finish_reason == "stop"
         tokens = list(delta.token_ids)
+        # The worker ends a sequence on a stop token or EOS with the last token of the delta: that
+        # token is the EOS the shared rules need (a stop token they know from the params).
+        eos = (tokens[-1],) if delta.finish_reason == "stop" and not delta.HasField("stop_token_id") else ()
         kept = 0
-        for i, token in enumerate(tokens):
+        for token in tokens:
             self.num_tokens += 1
             kept += 1
-            if upstream_stop and i == len(tokens) - 1:
-                # The worker stops only on a stop token or EOS: their text is not output.
-                if delta.HasField("stop_token_id") and p.include_stop_str_in_output:
-                    self.detokenizer.add_token(token, check_stop=False)
+            finish = append_token(token, self.num_tokens, self.params, self.detokenizer, eos)
+            if finish is not None:
+                self.finish_reason, self.stop_reason = finish.reason, finish.stop_reason
                 break
-            hit = self.detokenizer.add_token(token, check_stop=self.num_tokens >= p.min_tokens)
-            if hit is not None:
-                self.finish_reason, self.stop_reason = "stop", hit
-                break
-        if self.finish_reason is None and delta.finish_reason:
+        if self.finish_reason is None and delta.finish_reason:  # length at the context limit, abort
             self.finish_reason = delta.finish_reason
-            if delta.HasField("stop_token_id"):
-                self.stop_reason = delta.stop_token_id
+        self.ended_here = self.finish_reason == "stop" and delta.finish_reason != "stop"
         finished = self.finish_reason is not None
         end = self.detokenizer.emittable(finished)
         text = self.detokenizer.text[self.num_sent_chars:end]
@@ -110,6 +110,10 @@ async def stream_text(client: SchedulerClient, tokenizer, prompt_token_ids: list
                 if text_delta is not None:
                     update.deltas.append(text_delta)
             finished = all(s.finish_reason is not None for s in seqs)
+            if finished and not msg.HasField("usage"):  # stop strings found here ended the request
+                await client.abort(request_id, [generation_pb2.SequenceEnd(
+                    index=i, finish_reason="stop", num_tokens=s.num_tokens, stop_reason=str(s.stop_reason))
+                    for i, s in enumerate(seqs) if s.ended_here])
             if finished or msg.HasField("usage"):
                 if msg.HasField("usage"):
                     usage.cached_tokens = msg.usage.cached_tokens

@@ -7,8 +7,10 @@ incremental outputs (delta=True: only new tokens and text per item). Leaving the
 (client gone, task cancelled) aborts the request, which frees its blocks before the next step.
 
 The worker service uses the batched form instead: submit() queues a request without a stream of
-its own, and after every step the StepSink gets all submitted requests' deltas in one call, so
-one step's output for hundreds of sequences becomes one message.
+its own, and after every step the StepSink gets one StepResult: all submitted requests' deltas,
+the KV block events and the engine's stats, so one step's output for hundreds of sequences
+becomes one message and the service never reads the engine's internals. Requests and aborts reach
+the step loop as typed commands (AddCommand, AbortCommand).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from metroserve.common.block_hash import BlockHash
+from metroserve.common.request_limits import RequestLimits
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.engine import LLMEngine
+from metroserve.worker.metrics import EngineStats
 from metroserve.worker.outputs import RequestOutput, make_request_output
 from metroserve.common.sampling_params import SamplingParams
 from metroserve.worker.sequence import Request
@@ -34,12 +40,43 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; no request on this engine can make progress."""
 
 
+@dataclass
+class AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    resume_token_ids: list[int] = field(default_factory=list)  # output produced before a migration
+    prompt: str | None = None  # the text, when the caller gave text
+
+
+@dataclass
+class AbortCommand:
+    request_id: str
+    finish_reasons: list[str] = field(default_factory=list)  # per sequence index; missing: "abort"
+
+
+EngineCommand = AddCommand | AbortCommand
+
+
+@dataclass
+class StepResult:
+    """What one step (or a batch of aborts between steps) hands the sink."""
+
+    outputs: list[RequestOutput]  # deltas of submitted requests that got tokens or finished
+    blocks_stored: list[BlockHash]  # prefix-cache blocks registered since the last result
+    blocks_removed: list[BlockHash]  # and evicted
+    stats: EngineStats
+
+
 class StepSink(Protocol):
     """Receives the outputs of submit()ted requests, on the event loop."""
 
-    def step_done(self, outputs: list[RequestOutput]) -> Awaitable[None] | None:
-        """After every step (outputs may be empty: a step can only advance prefills). An awaitable
-        returned here is awaited before the next step: the sink's chance to send the outputs first."""
+    def step_done(self, result: StepResult) -> Awaitable[None] | None:
+        """After every step (outputs may be empty: a step can only advance prefills), and after
+        aborts of submitted requests. An awaitable returned here is awaited before the next step:
+        the sink's chance to send the outputs first."""
 
     def rejected(self, request_id: str, error: Exception) -> None: ...
 
@@ -59,7 +96,7 @@ class AsyncEngine:
         self._step_inline = step_inline
         # request id -> (its stream's queue, delta); queue None: a submit()ted request, output to the sink
         self._queues: dict[str, tuple[asyncio.Queue | None, bool]] = {}
-        self._pending: list[tuple[str, object]] = []  # ("add", kwargs) / ("abort", request_id)
+        self._pending: list[EngineCommand] = []  # applied between steps, in order
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -82,9 +119,8 @@ class AsyncEngine:
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (queue, delta)
-        self._pending.append(("add", dict(prompt=token_ids, params=params, request_id=request_id,
-                                          priority=priority, cache_salt=cache_salt,
-                                          text=prompt if isinstance(prompt, str) else None)))
+        self._pending.append(AddCommand(request_id, token_ids, params, priority, cache_salt,
+                                        prompt=prompt if isinstance(prompt, str) else None))
         self._wakeup.set()
         finished = False
         try:
@@ -106,58 +142,72 @@ class AsyncEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
                cache_salt: str | None = None, resume_token_ids: list[int] = ()) -> None:
-        """Queue a request whose outputs go to the sink; raises ValueError for a bad request."""
+        """Queue a request whose outputs go to the sink. The caller (the worker service) passes only
+        requests the scheduler admitted against this worker's limits: they are not checked again."""
         if self._error is not None:
             raise EngineDeadError(f"engine step loop failed: {self._error!r}")
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.validate_request(prompt_token_ids, params)
+        assert request_id not in self._queues, f"request id {request_id!r} is already in use"
         self._ensure_loop()
         self._queues[request_id] = (None, True)
-        self._pending.append(("add", dict(prompt=prompt_token_ids, params=params, request_id=request_id,
-                                          priority=priority, cache_salt=cache_salt, text=None,
-                                          resume_token_ids=list(resume_token_ids))))
+        self._pending.append(AddCommand(request_id, prompt_token_ids, params, priority, cache_salt,
+                                        list(resume_token_ids)))
         self._wakeup.set()
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request: its blocks are freed and its stream ends before the next step runs."""
+    def abort(self, request_id: str, finish_reasons: list[str] = ()) -> None:
+        """End a request: its blocks are freed and its stream ends before the next step runs.
+        finish_reasons: per sequence ("stop" when the gateway found a stop string); default "abort"."""
         if request_id in self._queues:
-            self._pending.append(("abort", request_id))
+            self._pending.append(AbortCommand(request_id, list(finish_reasons)))
             if self._wakeup is not None:
                 self._wakeup.set()
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.engine.limits
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block the prefix cache holds now (a worker's first report after connecting)."""
+        return self.engine.cached_block_hashes()
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
-    def _apply_pending(self) -> None:
+    def _apply_pending(self) -> list[Request]:
+        """Apply queued commands in order; returns the submitted requests they ended."""
         pending, self._pending = self._pending, []
-        for kind, payload in pending:
-            if kind == "abort":
-                entry = self._queues.pop(payload, None)
-                request = self.engine.abort_request(payload)
+        ended: list[Request] = []
+        for command in pending:
+            if isinstance(command, AbortCommand):
+                entry = self._queues.pop(command.request_id, None)
+                request = self.engine.abort_request(command.request_id, command.finish_reasons)
                 if entry is not None and entry[0] is not None:
-                    queue, delta = entry
-                    queue.put_nowait(make_request_output(request, delta) if request is not None else None)
+                    entry[0].put_nowait(make_request_output(request, entry[1]) if request is not None else None)
+                elif entry is not None and request is not None:
+                    ended.append(request)
                 continue
-            request_id = payload["request_id"]
-            if request_id not in self._queues:
+            if command.request_id not in self._queues:
                 continue  # aborted before it was ever added
-            text = payload.pop("text")
             try:
-                request = self.engine.add_request(**payload)
+                request = self.engine.add_request(command.prompt_token_ids, command.params, command.request_id,
+                                                  command.priority, command.cache_salt,
+                                                  resume_token_ids=command.resume_token_ids, validated=True)
             except Exception as e:  # e.g. a request id reused meanwhile: fail this stream only
-                queue = self._queues.pop(request_id)[0]
+                queue = self._queues.pop(command.request_id)[0]
                 if queue is None:
-                    self._sink.rejected(request_id, e)
+                    self._sink.rejected(command.request_id, e)
                 else:
                     queue.put_nowait(e)
                 continue
-            request.prompt = text
+            request.prompt = command.prompt
+        return ended
 
-    def _publish(self, requests: list[Request]) -> Awaitable[None] | None:
-        batched: list[RequestOutput] = []
+    def _publish(self, requests: list[Request], ended: list[Request] = ()) -> Awaitable[None] | None:
+        batched = [make_request_output(request, delta=True) for request in ended]
         for request in requests:
             entry = self._queues.get(request.request_id)
             if entry is None:
@@ -171,14 +221,19 @@ class AsyncEngine:
             if request.finished:
                 del self._queues[request.request_id]
         if self._sink is not None:
-            return self._sink.step_done(batched)
+            stored, removed = self.engine.take_kv_events()
+            return self._sink.step_done(StepResult(batched, stored, removed, self.engine.stats()))
         return None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                self._apply_pending()
+                ended = self._apply_pending()
+                if ended:  # aborted submitted requests: the sink hears of them before the next step
+                    flushed = self._publish([], ended)
+                    if flushed is not None:
+                        await flushed
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     await self._wakeup.wait()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,10 +20,11 @@ from metroserve.worker.batcher import Batcher
 from metroserve.worker.block_manager import BlockManager
 from metroserve.worker.config import EngineConfig, parse_size
 from metroserve.worker.cpu_allocator import keep_freed_memory
+from metroserve.common.block_hash import BlockHash
 from metroserve.common.detokenizer import IncrementalDetokenizer
 from metroserve.worker.gpu_memory import kv_budget_bytes, profile_step_peak
 from metroserve.worker.kv_cache import KVCache
-from metroserve.worker.metrics import EngineMetrics
+from metroserve.worker.metrics import EngineMetrics, EngineStats
 from metroserve.worker.model_files import resolve_model_dir
 from metroserve.common.tokenizer import load_tokenizer
 from metroserve.worker.model_loader import load_model
@@ -31,31 +32,13 @@ from metroserve.worker.model_runner import ModelRunner
 from metroserve.common.request_limits import RequestLimits, check_request
 from metroserve.worker.sampler import Sampler
 from metroserve.common.sampling_params import SamplingParams
+from metroserve.common.stop_rules import append_token
 from metroserve.worker.sequence import Request, Sequence, SequenceStatus
 from metroserve.worker.spec_decode.config import SpeculativeConfig
 from metroserve.worker.spec_decode.draft_proposer import DraftModelProposer
-from metroserve.worker.spec_decode.speculator import SpecDecodeStats, Speculator
+from metroserve.worker.spec_decode.speculator import Speculator
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_evictions: int
-    num_preemptions: int
-    peak_used_blocks: int
-    kv_efficiency_at_peak: float  # tokens stored / (allocated blocks x block size) at peak use
-    spec_decode: SpecDecodeStats | None = None  # None without --speculative-config
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
 class LLMEngine:
@@ -108,7 +91,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager:
             # Imported here: Triton is only needed on CUDA (or in its interpreter, for tests).
             from metroserve.worker.cuda_graphs import CudaGraphRunner
-            from metroserve.worker.triton_attention import TritonAttention
+            from metroserve.worker.attention.triton import TritonAttention
 
             if isinstance(self.attention, TritonAttention):
                 graphs = CudaGraphRunner(self.model, self.kv_cache, self.attention, config.max_num_seqs,
@@ -169,15 +152,18 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    resume_token_ids: list[int] = ()) -> Request:
+                    resume_token_ids: list[int] = (), validated: bool = False) -> Request:
         """Queue a request. resume_token_ids: output it already produced elsewhere (a migrated request);
-        they count as output (max_tokens, penalties) but are not streamed again."""
+        they count as output (max_tokens, penalties) but are not streamed again. validated: the
+        caller already checked it against these limits (LLM.generate, AsyncEngine, or the
+        scheduler's admission for a worker): it is not checked again."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
-        self.validate_request(token_ids, params)
+        if not validated:
+            self.validate_request(token_ids, params)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                           arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
         self._attach_detokenizer(request.seqs[0])
@@ -192,8 +178,9 @@ class LLMEngine:
         self.batcher.add(request.seqs[0])
         return request
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Stop a request now and free its blocks; returns it (finish_reason "abort") or None if unknown."""
+    def abort_request(self, request_id: str, finish_reasons: list[str] = ()) -> Request | None:
+        """Stop a request now and free its blocks; returns it, or None if unknown. finish_reasons:
+        per sequence index ("stop": the gateway found a stop string); missing or empty: "abort"."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -201,10 +188,18 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.finished:
                 self.batcher.remove(seq)
-                self._finish(seq, "abort")
+                given = finish_reasons[seq.index] if seq.index < len(finish_reasons) else ""
+                self._finish(seq, given or "abort")
         if self.metrics is not None:
             self.metrics.record_finished(request, time.time())
         return request
+
+    def take_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) prefix-cache block hashes since the last call (record_block_events)."""
+        return self.block_manager.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return list(self.block_manager.cached.keys())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -303,28 +298,15 @@ class LLMEngine:
         return children
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        p = seq.request.params
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
-        num_out = seq.num_output_tokens
-        may_stop = num_out >= p.min_tokens
-        # A stop token ends the text before it, like a stop string (vLLM semantics).
-        if may_stop and token in p.stop_token_ids:
-            seq.stop_reason = token
-            if p.include_stop_str_in_output and seq.detokenizer:
-                seq.detokenizer.add_token(token, check_stop=False)
-            self._end(seq, "stop")
-            return
-        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            self._end(seq, "stop")
-            return
-        if seq.detokenizer and seq.detokenizer.add_token(token, check_stop=may_stop) is not None:
-            seq.stop_reason = seq.detokenizer.stop_hit
-            self._end(seq, "stop")
-        elif (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            self._end(seq, "length")
+        finish = append_token(token, seq.num_output_tokens, seq.request.params, seq.detokenizer,
+                              self.eos_token_ids, seq.num_tokens, self.max_model_len)
+        if finish is not None:
+            seq.stop_reason = finish.stop_reason
+            self._end(seq, finish.reason)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.batcher.remove(seq)

@@ -53,7 +53,8 @@ class LLM:
         ids_in_order = []
         for prompt, ids, p, prio in zip(prompts, token_ids, params, priorities):
             self._counter += 1
-            request = engine.add_request(ids, p, request_id=f"offline-{self._counter}", priority=prio)
+            request = engine.add_request(ids, p, request_id=f"offline-{self._counter}", priority=prio,
+                                         validated=True)
             request.prompt = prompt if isinstance(prompt, str) else None
             ids_in_order.append(request.request_id)
         done: dict[str, RequestOutput] = {}

@@ -13,14 +13,15 @@ bucketing call per step; everything per request happens once, when it finishes.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
-    from metroserve.worker.engine import LLMEngine
     from metroserve.worker.sequence import Request
+    from metroserve.worker.spec_decode.speculator import SpecDecodeStats
 
 PREFIX = "metroserve:"
 
@@ -100,10 +101,37 @@ class EngineMetrics:
                 self.decode_time.observe([now - m.first_token_time])
 
 
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    num_preemptions: int
+    peak_used_blocks: int
+    kv_efficiency_at_peak: float  # tokens stored / (allocated blocks x block size) at peak use
+    spec_decode: SpecDecodeStats | None = None  # None without --speculative-config
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class StatsSource(Protocol):
+    """What the collector reads: an LLMEngine."""
+
+    metrics: EngineMetrics | None
+
+    def stats(self) -> EngineStats: ...
+
+
 class EngineCollector:
     """A prometheus_client collector over one engine: scraping reads the engine, it never writes."""
 
-    def __init__(self, engine: "LLMEngine", labels: dict[str, str]):
+    def __init__(self, engine: StatsSource, labels: dict[str, str]):
         self.engine = engine
         self.labels = labels
 

@@ -39,7 +39,7 @@ from metroserve.rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generati
 from metroserve.rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
 from metroserve.services.metrics_http import start_metrics_server
 from metroserve.services.tracing import extract_context, ns, tracer
-from metroserve.worker.async_engine import AsyncEngine, EngineDeadError
+from metroserve.worker.async_engine import AsyncEngine, EngineDeadError, StepResult
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.metrics import EngineCollector
 from metroserve.worker.model_files import served_model_name
@@ -76,6 +76,7 @@ class WorkerService:
         # the whole service path (benchmarks/README.md), and a hung step also stops the heartbeat.
         self.engine = AsyncEngine(config, detokenize=False, sink=self, record_block_events=True, step_inline=True)
         self.active: set[str] = set()  # placement ids submitted and not finished
+        self._stats = self.engine.stats()  # as of the last step: the load report
         self._outputs: list[cluster_pb2.PlacementOutput] = []
         self._rejected: list[cluster_pb2.Rejection] = []
         self._stored: list[bytes] = []
@@ -97,8 +98,11 @@ class WorkerService:
 
     # -- StepSink: called on the event loop after every engine step ------------------------
 
-    def step_done(self, outputs: list[RequestOutput]) -> Awaitable[None] | None:
-        for out in outputs:
+    def step_done(self, result: StepResult) -> Awaitable[None] | None:
+        self._stats = result.stats
+        for out in result.outputs:
+            if out.request_id not in self.active:
+                continue  # handed back or cut off with its stream: the scheduler has moved it
             seqs = []
             for c in out.outputs:
                 if not c.token_ids and not out.finished:
@@ -117,9 +121,8 @@ class WorkerService:
                 self._trace_output(out)
             if out.finished:
                 self._discard(out.request_id)
-        stored, removed = self.engine.engine.block_manager.take_events()
-        self._stored.extend(stored)
-        self._removed.extend(removed)
+        self._stored.extend(result.blocks_stored)
+        self._removed.extend(result.blocks_removed)
         self._queued_version += 1
         self._outbox.set()
         return self._until_sent(self._queued_version) if self._connected else None
@@ -180,7 +183,7 @@ class WorkerService:
     # -- the stream --------------------------------------------------------------------------
 
     def _load(self) -> cluster_pb2.LoadReport:
-        s = self.engine.engine.stats()
+        s = self._stats
         return cluster_pb2.LoadReport(
             num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks, prefix_cache_queries=s.prefix_cache_queries,
@@ -189,14 +192,14 @@ class WorkerService:
     def _register_message(self) -> cluster_pb2.WorkerMessage:
         return cluster_pb2.WorkerMessage(register=cluster_pb2.Register(
             worker_id=self.options.worker_id, epoch=self.epoch, model=self.model_name,
-            limits=limits_to_proto(self.engine.engine.limits), pid=os.getpid(), host=socket.gethostname()))
+            limits=limits_to_proto(self.engine.limits), pid=os.getpid(), host=socket.gethostname()))
 
     async def _outgoing(self):
         self._connected = True
         yield self._register_message()
         # Everything the pool holds now: after a reconnect the scheduler's index starts from this.
         # Whatever was queued for the previous stream concerns placements that died with it.
-        self._stored = list(self.engine.engine.block_manager.cached.keys())
+        self._stored = self.engine.cached_block_hashes()
         self._outputs, self._rejected, self._removed, self._handed_back = [], [], [], []
         self._outbox.set()
         while True:
@@ -217,9 +220,8 @@ class WorkerService:
     def _handle(self, msg: cluster_pb2.SchedulerMessage) -> None:
         if msg.heartbeat_interval_s > 0:
             self._heartbeat_s = msg.heartbeat_interval_s
-        for end in msg.end:
-            self._discard(end.placement_id)
-            self.engine.abort(end.placement_id)
+        for end in msg.end:  # its finished output (counted, traced) comes from the next step_done
+            self.engine.abort(end.placement_id, list(end.finish_reasons))
         for a in msg.assign:
             try:
                 params = params_from_proto(a.params)

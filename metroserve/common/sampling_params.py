@@ -3,13 +3,13 @@
 Torch-free on purpose: the gateway imports it to reject bad requests at the edge with the same
 rules the engine applies. Field names and defaults follow vLLM's ``SamplingParams`` so users'
 code carries over. Checks that need the model (vocabulary size, context length) live in
-``worker.engine.LLMEngine.validate_request``.
+``metroserve.common.request_limits.check_request``. Both raise ParamError naming the field.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -18,10 +18,12 @@ MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
 
 
-def field_in_error(message: str) -> str | None:
-    """The field a validation message is about (each starts with the field's name), for error bodies."""
-    name = message.split(" ", 1)[0]
-    return name if name in {f.name for f in fields(SamplingParams)} else None
+class ParamError(ValueError):
+    """A request parameter is invalid; ``param`` names the field (OpenAI error bodies carry it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -66,56 +68,56 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def _check(self) -> None:
-        def fail(msg: str) -> None:
-            raise ValueError(msg)
+        def fail(param: str, msg: str) -> None:
+            raise ParamError(param, msg)
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            fail(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+            fail("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            fail(f"temperature must be >= 0, got {self.temperature!r}")
+            fail("temperature", f"temperature must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+            fail("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
-            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+            fail("top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+            fail("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            fail("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
-                fail(f"{name} must be in [-2, 2], got {value!r}")
+                fail(name, f"{name} must be in [-2, 2], got {value!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -MAX_INT64 - 1 <= self.seed <= MAX_INT64):
-            fail(f"seed must be a 64-bit integer, got {self.seed!r}")
+            fail("seed", f"seed must be a 64-bit integer, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
-            fail(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+            fail("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
-            fail(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+            fail("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            fail("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            fail("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.speculative, bool):
-            fail(f"speculative must be true or false, got {self.speculative!r}")
+            fail("speculative", f"speculative must be true or false, got {self.speculative!r}")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None:
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-                fail(f"stop must be a string or a list of strings, got {self.stop!r}")
+                fail("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
             if any(s == "" for s in stops):
-                fail("stop strings must not be empty")
+                fail("stop", "stop strings must not be empty")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids)
         ):
-            fail(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            fail("stop_token_ids", f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                fail(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+                fail("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
                 if not _is_int(_as_int(token)) or not 0 <= _as_int(token) <= MAX_INT32 or not _is_number(bias):
-                    fail(f"logit_bias entries must be token id -> number, got {token!r}: {bias!r}")
+                    fail("logit_bias", f"logit_bias entries must be token id -> number, got {token!r}: {bias!r}")
                 if not -100 <= bias <= 100:
-                    fail(f"logit_bias values must be in [-100, 100], got {bias!r}")
+                    fail("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r}")
 
 
 def _is_int(value: object) -> bool:
