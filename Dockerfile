@@ -10,8 +10,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# A C/C++ compiler is a runtime need, not a build one: Triton compiles its launcher with it on the
-# GPU, and the CPU paged-attention kernel is built with it on first start.
+# A C/C++ compiler is a runtime need too: Triton compiles its launcher with it on the GPU, and the
+# CPU kernels are rebuilt with it on a machine whose CPU differs from the image builder's.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
@@ -40,13 +40,20 @@ COPY . .
 RUN pip install .
 
 # Converted models and built kernels go to /cache, a volume the compose file shares between
-# replicas; it is created here so that a fresh named volume inherits the non-root owner.
+# replicas; it is created here so that a fresh named volume inherits the non-root owner and the
+# kernels built below.
 RUN useradd --create-home --uid 1000 metroserve \
     && mkdir /cache \
     && chown metroserve:metroserve /cache
 ENV METROSERVE_CACHE=/cache
-VOLUME /cache
 USER metroserve
+
+# The CPU kernels, built for this builder's CPU (-march=native; a host with other CPU features
+# builds its own on first start, the cache being keyed by them). Best-effort: without them the
+# workers run on torch ops. Before VOLUME, which would discard what a later step writes there.
+RUN python -m metroserve.worker.cpu_kernels \
+    || echo "CPU kernels not built into the image; workers build them on first start or use torch ops"
+VOLUME /cache
 
 EXPOSE 8000 50051 50052 8081
 ENTRYPOINT ["metroserve"]
