@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from metroserve.common.block_hash import extra_keys_for, hash_prompt_blocks
 from metroserve.common.request_limits import check_request, fits
-from metroserve.common.sampling_params import SamplingParams
+from metroserve.common.sampling_params import ParamError, SamplingParams
 from metroserve.kvstore import MemoryKVStore, RequestRecord
 from metroserve.rpc import cluster_pb2, generation_pb2
 from metroserve.rpc.convert import limits_from_proto, params_from_proto, params_to_dict
@@ -48,11 +48,12 @@ class ErrorCode(enum.StrEnum):
 class RequestError(Exception):
     """A request the scheduler cannot run, or an Abort it cannot apply."""
 
-    def __init__(self, code: ErrorCode, message: str, retry_after_s: int | None = None):
+    def __init__(self, code: ErrorCode, message: str, retry_after_s: int | None = None, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.param = param  # the request field at fault, when one is
 
 
 class AdmissionError(RequestError):
@@ -113,8 +114,8 @@ class SchedulerCore:
             raise AdmissionError(ErrorCode.INVALID_ARGUMENT, "the scheduler takes token ids; send text to a gateway")
         try:
             params = params_from_proto(request.params)
-        except ValueError as e:
-            raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
+        except ParamError as e:
+            raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(e), param=e.param) from None
         live = self.live_workers()
         if not live:
             raise AdmissionError(ErrorCode.UNAVAILABLE, "no worker is available")
@@ -133,14 +134,15 @@ class SchedulerCore:
     def _check_limits(prompt: list[int], params: SamplingParams, live: list[WorkerLink]) -> None:
         """Admit if some live worker's limits admit the request (the one full check it gets);
         otherwise refuse with what the largest worker objects to."""
-        error: ValueError | None = None
+        error: ParamError | None = None
         for limits in sorted({w.limits for w in live}, key=lambda lim: -lim.num_blocks):
             try:
                 check_request(prompt, params, limits)
                 return
-            except ValueError as e:
+            except ParamError as e:
                 error = error or e
-        raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(error))
+        assert error is not None
+        raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(error), param=error.param)
 
     def abort(self, request_id: str, ended: Sequence[generation_pb2.SequenceEnd] = ()) -> bool:
         """End a request now (the Abort call); False if it is not running. Sequences in `ended` finish

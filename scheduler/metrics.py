@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class SchedulerCollector:
-    def __init__(self, scheduler: "SchedulerCore"):
+    def __init__(self, scheduler: SchedulerCore):
         self.scheduler = scheduler
 
     def collect(self):

@@ -14,15 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from metroserve.rpc import generation_pb2
 from metroserve.common.sampling_params import SamplingParams
+from metroserve.rpc import generation_pb2
 
 _placement_ids = itertools.count()
 
 
 @dataclass
 class Placement:
-    request: "RequestState"
+    request: RequestState
     base_index: int  # the request's sequence index of this placement's sequence 0
     num_seqs: int
     resume_token_ids: list[int]

@@ -18,8 +18,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from metroserve.kvstore import open_kvstore
-from metroserve.rpc import (GENERATION_SERVICE, GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2,
-                            generation_pb2_grpc)
+from metroserve.rpc import (
+    GENERATION_SERVICE,
+    GRPC_OPTIONS,
+    cluster_pb2,
+    cluster_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+from metroserve.rpc import PARAM_METADATA_KEY
 from metroserve.scheduler.core import CoreOptions, RequestError, SchedulerCore
 from metroserve.scheduler.metrics import SchedulerCollector
 from metroserve.scheduler.worker_link import WorkerLink
@@ -37,9 +44,15 @@ class SchedulerOptions(CoreOptions):
 
 
 async def _abort_call(context: grpc.aio.ServicerContext, error: RequestError) -> None:
-    """End the call with the error's status (raises)."""
+    """End the call with the error's status (raises); retry-after and the faulty request field
+    (`metroserve-param`) travel as trailing metadata."""
+    metadata = []
     if error.retry_after_s is not None:
-        context.set_trailing_metadata((("retry-after", str(error.retry_after_s)),))
+        metadata.append(("retry-after", str(error.retry_after_s)))
+    if error.param is not None:
+        metadata.append((PARAM_METADATA_KEY, error.param))
+    if metadata:
+        context.set_trailing_metadata(tuple(metadata))
     await context.abort(grpc.StatusCode[error.code.name], error.message)
 
 

@@ -10,10 +10,10 @@ import asyncio
 import time
 from collections import Counter
 
+from metroserve.common.request_limits import RequestLimits
 from metroserve.rpc import cluster_pb2
 from metroserve.scheduler.placement import WorkerLoad
 from metroserve.scheduler.request_state import Placement
-from metroserve.common.request_limits import RequestLimits
 
 
 class WorkerLink:

@@ -9,15 +9,15 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Callable
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from metroserve.common.sampling_params import SamplingParams
     from metroserve.worker.config import EngineConfig
     from metroserve.worker.llm import LLM
-    from metroserve.common.sampling_params import SamplingParams
 
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**{k: v for k, v in vars(config).items()})
@@ -79,8 +79,8 @@ def _gateway(args: argparse.Namespace) -> None:
 def _worker(args: argparse.Namespace) -> None:
     import uvloop
 
-    from metroserve.worker.config import EngineConfig
     from metroserve.services.tracing import configure_tracing
+    from metroserve.worker.config import EngineConfig
     from metroserve.worker.service import WorkerOptions, WorkerService
 
     _setup_logging("worker")

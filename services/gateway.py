@@ -15,13 +15,13 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from metroserve.common.tokenizer import load_tokenizer
 from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2_grpc
 from metroserve.services.gateway_metrics import GatewayMetrics
 from metroserve.services.grpc_api import ApiKeyInterceptor, GatewayGeneration
 from metroserve.services.rest import RestAPI
 from metroserve.services.scheduler_client import SchedulerClient
 from metroserve.worker.model_files import resolve_model_dir, served_model_name
-from metroserve.common.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from metroserve.rpc import generation_pb2, generation_pb2_grpc
+from metroserve.rpc import PARAM_METADATA_KEY, generation_pb2, generation_pb2_grpc
 from metroserve.rpc.convert import params_from_proto
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
 from metroserve.services.scheduler_client import SchedulerClient, UpstreamError
@@ -108,8 +108,9 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
                     msg.usage.cached_tokens = update.usage.cached_tokens
                 yield msg
         except UpstreamError as e:
-            if e.retry_after:
-                context.set_trailing_metadata((("retry-after", e.retry_after),))
+            trailers = [(k, v) for k, v in (("retry-after", e.retry_after), (PARAM_METADATA_KEY, e.param)) if v]
+            if trailers:
+                context.set_trailing_metadata(tuple(trailers))
             await context.abort(e.code, e.message)
         finally:
             await stream.aclose()

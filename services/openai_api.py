@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from metroserve.common.sampling_params import MAX_INT32, ParamError, SamplingParams
 from metroserve.rpc import generation_pb2
 from metroserve.services.text_stream import TextDelta, Usage
-from metroserve.common.sampling_params import ParamError, SamplingParams
 
 # Body field -> SamplingParams field, where they differ only in presence, not meaning.
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -87,9 +87,7 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
 
 def parse_completion(body: dict, tokenizer) -> GenerationRequest:
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         prompts = prompt
@@ -97,14 +95,13 @@ def parse_completion(body: dict, tokenizer) -> GenerationRequest:
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of those",
                          param="prompt")
     token_prompts = []
-    vocab = len(tokenizer)
     for p in prompts:
         if isinstance(p, str):
             token_prompts.append(tokenizer.encode(p))
-        elif all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in p):
-            token_prompts.append(list(p))
+        elif all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in p):
+            token_prompts.append(list(p))  # the model's vocabulary bound is checked at admission
         else:
-            raise BadRequest(f"token id prompts must be lists of integers in [0, {vocab})", param="prompt")
+            raise BadRequest("token id prompts must be lists of non-negative 32-bit integers", param="prompt")
     if body.get("echo"):
         raise BadRequest("echo is not supported", param="echo")
     if body.get("suffix"):

@@ -22,8 +22,15 @@ from opentelemetry import trace
 
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
 from metroserve.services.metrics_http import metrics_handler
-from metroserve.services.openai_api import (BadRequest, GenerationRequest, ResponseBuilder, error_body, parse_chat,
-                                 parse_completion, parse_messages)
+from metroserve.services.openai_api import (
+    BadRequest,
+    GenerationRequest,
+    ResponseBuilder,
+    error_body,
+    parse_chat,
+    parse_completion,
+    parse_messages,
+)
 from metroserve.services.scheduler_client import SchedulerClient, UpstreamError
 from metroserve.services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
 from metroserve.services.tracing import tracer
@@ -44,7 +51,7 @@ def upstream_error_response(e: UpstreamError) -> web.Response:
     status = _STATUS.get(e.code, 502)
     headers = {"Retry-After": e.retry_after} if e.retry_after else None
     type_ = "invalid_request_error" if status == 400 else "server_error" if status >= 500 else "rate_limit_error"
-    return json_error(status, e.message, type_, code=e.code.name.lower(), headers=headers)
+    return json_error(status, e.message, type_, param=e.param, code=e.code.name.lower(), headers=headers)
 
 
 class RestAPI:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2, generation_pb2_grpc
+from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, PARAM_METADATA_KEY, generation_pb2, generation_pb2_grpc
 from metroserve.services.tracing import inject_context, tracer
 
 
@@ -19,17 +19,19 @@ class UpstreamError(Exception):
     code: grpc.StatusCode
     message: str
     retry_after: str | None = None
+    param: str | None = None  # the request field at fault, when the scheduler named one
 
     def __str__(self) -> str:
         return self.message
 
 
 def _upstream_error(e: grpc.aio.AioRpcError) -> UpstreamError:
-    retry_after = dict(e.trailing_metadata() or ()).get("retry-after")
+    trailers = dict(e.trailing_metadata() or ())
+    retry_after = trailers.get("retry-after")
     message = e.details() or e.code().name
     if e.code() == grpc.StatusCode.UNAVAILABLE and "no worker" not in message:
         message = f"the scheduler is unavailable: {message}"
-    return UpstreamError(e.code(), message, retry_after)
+    return UpstreamError(e.code(), message, retry_after, trailers.get(PARAM_METADATA_KEY))
 
 
 class SchedulerClient:

@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from metroserve.rpc import generation_pb2
-from metroserve.rpc.convert import params_to_proto
-from metroserve.services.scheduler_client import SchedulerClient
 from metroserve.common.detokenizer import IncrementalDetokenizer
 from metroserve.common.sampling_params import SamplingParams
 from metroserve.common.stop_rules import append_token
+from metroserve.rpc import generation_pb2
+from metroserve.rpc.convert import params_to_proto
+from metroserve.services.scheduler_client import SchedulerClient
 
 
 @dataclass

@@ -139,6 +139,17 @@ def test_bad_field_gets_400(stack, endpoint, overrides, stream):
     assert_openai_400(*post(stack, endpoint, body))
 
 
+@pytest.mark.parametrize("overrides, param", [
+    ({"top_p": 2}, "top_p"),  # checked at the gateway
+    ({"prompt": [5, 6, VOCAB]}, "prompt"),  # checked against the model's limits at the scheduler's admission
+    ({"max_tokens": 100_000}, "max_tokens"),
+])
+def test_the_error_names_its_field_from_either_check(stack, overrides, param):
+    status, ctype, body = post(stack, COMPLETIONS, {**BASE[COMPLETIONS], **overrides})
+    assert_openai_400(status, ctype, body)
+    assert body["error"]["param"] == param, body
+
+
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("raw", [b"{not json", b'{"prompt": "x",', b"\xff\xfe", b"", b"[1, 2]", b'"a string"', b"null"],
                          ids=["malformed", "truncated", "not-utf8", "empty", "array", "string", "null"])
@@ -201,9 +212,8 @@ def test_openai_client_raises_bad_request(stack, model_id):
 
 
 def _grpc_generate(address: str, request: generation_pb2.GenerateRequest) -> grpc.RpcError:
-    with grpc.insecure_channel(address) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
+        list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
     return err.value
 
 

@@ -3,6 +3,8 @@ constants every side of a channel agrees on."""
 
 # The health status of this service name is readiness (a worker is serving); "" is liveness.
 GENERATION_SERVICE = "metroserve.v1.Generation"
+# Trailing metadata of an INVALID_ARGUMENT: the request field at fault (OpenAI's error "param").
+PARAM_METADATA_KEY = "metroserve-param"
 # A worker's first report lists every cached block (16 bytes each): allow large messages.
 # Keepalive pings notice a peer whose host vanished without closing the connection.
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),

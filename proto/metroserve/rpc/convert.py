@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from metroserve.rpc import cluster_pb2, generation_pb2
 from metroserve.common.request_limits import RequestLimits
 from metroserve.common.sampling_params import SamplingParams
+from metroserve.rpc import cluster_pb2, generation_pb2
 
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "min_tokens", "logprobs", "skip_special_tokens", "speculative")
