@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +35,14 @@ import torch
 from tqdm.auto import tqdm
 
 from metroserve.benchmarks.random_model import write_random_llama
-from metroserve.worker import EngineConfig, LLMEngine, SamplingParams
-from metroserve.worker.attention import BatchLayout, TorchAttention, block_tables_to_slots
+from metroserve import EngineConfig, LLMEngine, SamplingParams
+from metroserve.worker.attention import AttentionBackend, BatchLayout, TorchAttention, block_tables_to_slots
 from metroserve.worker.kv_cache import KVCache
 
 # Peak HBM bandwidth from the data sheets, bytes/s; other devices use the measured copy bandwidth.
 HBM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
-FULL = dict(
+FULL: dict[str, Any] = dict(
     kernel_heads=[(9, 3, 64), (32, 8, 64), (32, 8, 128)],
     # (label, query lengths, context lengths)
     kernel_shapes=[("decode 1 x 1024", [1], [1024]), ("decode 1 x 8192", [1], [8192]),
@@ -51,7 +52,7 @@ FULL = dict(
     decode_models=["smollm2-135m", "llama-3.2-1b"], decode_batches=[1, 8, 64, 256], decode_context=512,
     decode_steps=32, throughput_shape="smollm2-135m", throughput_requests=64, throughput_max_tokens=128,
 )
-SMOKE = dict(
+SMOKE: dict[str, Any] = dict(
     kernel_heads=[(4, 2, 16)],
     kernel_shapes=[("decode 2 x 40", [1, 1], [40, 40]), ("prefill 1 x 24", [24], [24])],
     decode_models=["tiny"], decode_batches=[1, 2], decode_context=16, decode_steps=2,
@@ -136,10 +137,11 @@ def kernel_timings(cfg: dict, device: torch.device, dtype: torch.dtype, repeats:
         k = torch.randn(t, num_kv_heads, head_dim, dtype=dtype, device=device)
         v = torch.randn(t, num_kv_heads, head_dim, dtype=dtype, device=device)
         row = {"heads": f"{num_heads}/{num_kv_heads}x{head_dim}", "shape": label}
-        for name, backend in (("torch", TorchAttention(bs)),
-                              ("triton", TritonAttention(bs, num_heads, num_kv_heads, head_dim, dtype))):
+        backends: list[tuple[str, AttentionBackend[Any]]] = [
+            ("torch", TorchAttention(bs)), ("triton", TritonAttention(bs, num_heads, num_kv_heads, head_dim, dtype))]
+        for name, backend in backends:
             meta = backend.prepare(layout)
-            row[f"{name}_ms"] = time_ms(lambda: backend.forward(0, q, k, v, cache, meta), device, repeats)
+            row[f"{name}_ms"] = time_ms(partial(backend.forward, 0, q, k, v, cache, meta), device, repeats)
         row["speedup"] = row["torch_ms"] / row["triton_ms"]
         emit(row)
 
@@ -230,16 +232,17 @@ def write_report(results: dict[str, Any], out: Path) -> str:
              f"{env.get('copy_tb_s', math.nan):.2f} TB/s (read + written).", ""]
     if results.get("kernels"):
         parts += ["## Attention layer: Triton vs torch backend (K/V write + attention, median ms)", "",
-                  markdown_table(results["kernels"], [("heads q/kv x dim", "heads", "s"), ("shape", "shape", "s"),
-                                                      ("torch ms", "torch_ms", ".3f"), ("triton ms", "triton_ms", ".3f"),
-                                                      ("speed-up", "speedup", ".2f")]), ""]
+                  markdown_table(results["kernels"], [
+                      ("heads q/kv x dim", "heads", "s"), ("shape", "shape", "s"), ("torch ms", "torch_ms", ".3f"),
+                      ("triton ms", "triton_ms", ".3f"), ("speed-up", "speedup", ".2f")]), ""]
     if results.get("decode"):
         parts += ["## Decode tokens/s against the memory-bandwidth roofline", "",
                   "Roofline = batch x bandwidth / (weight bytes + KV bytes read per step).", "",
                   markdown_table(results["decode"], [
                       ("model", "model", "s"), ("graphs", "graphs", ""), ("batch", "batch", "d"),
                       ("context", "context", "d"), ("step ms", "step_ms", ".2f"), ("tok/s", "tokens_per_s", ".0f"),
-                      ("roofline tok/s", "roofline_tokens_per_s", ".0f"), ("of roofline", "fraction_of_roofline", ".1%"),
+                      ("roofline tok/s", "roofline_tokens_per_s", ".0f"),
+                      ("of roofline", "fraction_of_roofline", ".1%"),
                       ("weights MB", "weight_mb", ".0f"), ("KV MB/step", "kv_mb_per_step", ".0f")]), ""]
     if "throughput" in results:
         t = results["throughput"]
@@ -294,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"smoke": args.smoke, "skipped": [], "errors": {}, "kernels": [], "decode": [],
                                "throughput_shape": cfg["throughput_shape"], "wall_seconds": 0.0,
                                "environment": {
-                                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                                   "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                                                   else "CPU"),
                                    "torch": torch.__version__, "triton": triton.__version__,
                                    "dtype": str(dtype).removeprefix("torch.")}}
 

@@ -117,7 +117,7 @@ class Scraper:
             if self._stop.wait(self.interval_s):
                 return
 
-    def __enter__(self) -> "Scraper":
+    def __enter__(self) -> Scraper:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -125,28 +125,30 @@ class Scraper:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        assert self._thread is not None, "__exit__ without __enter__"
         self._thread.join()
 
 
 def _start_stack(model_dir: Path, port: int, args: argparse.Namespace, on: bool, sink_url: str,
                  log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
-            "--port", str(port), "--grpc-port", str(port + 1), "--scheduler-port", str(port + 2),
+    argv = [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model_dir),
+            "--served-model-name", "bench", "--port", str(port), "--grpc-port", str(port + 1),
+            "--scheduler-port", str(port + 2),
             "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
             "--no-enable-prefix-caching"]
     if on:
         argv += ["--metrics-port", str(port + 3), "--otlp-endpoint", sink_url]
     else:
         argv += ["--metrics-port", "0", "--disable-log-stats", "--disable-log-requests"]
-    log = open(log_path, "wb")
     # Spans leave in batches every 0.5 s, so the sink sees them during the run, not at exit.
     env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "500"}
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "wb") as log:  # the child writes through its own copy of the descriptor
+        return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from metroserve.worker.model_files import resolve_model_dir
     from metroserve.common.tokenizer import load_tokenizer
+    from metroserve.worker.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     prompts = build_chat_workload(load_tokenizer(model_dir), num_requests=args.num_requests)

@@ -77,7 +77,8 @@ def write_random_llama(path: Path, shape: str = "tiny", seed: int = 0, device: s
                       eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy reads as an unbound function.
+        model = LlamaForCausalLM(cfg).to(dtype)  # type: ignore[arg-type]
     if shape == "tiny":
         with torch.no_grad():
             for name, p in model.named_parameters():

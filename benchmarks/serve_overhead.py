@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_offline(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    from metroserve.worker import SamplingParams
+    from metroserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -104,7 +104,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> No
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from metroserve.worker import LLM, SamplingParams
+    from metroserve import LLM, SamplingParams
     from metroserve.worker.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
@@ -118,8 +118,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     port, grpc_port, scheduler_port = args.port, args.port + 1, args.port + 2
     serve = subprocess.Popen(
-        [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
-         "--port", str(port), "--grpc-port", str(grpc_port), "--scheduler-port", str(scheduler_port),
+        [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model_dir),
+         "--served-model-name", "bench", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--scheduler-port", str(scheduler_port),
          "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
          "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -138,13 +139,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                              args.concurrency))
                 runs.append({"round": round_index, "mode": mode, "seconds": seconds, "output_tokens": tokens,
                              "tokens_per_s": tokens / seconds})
-                print(f"round {round_index} {mode:8s} {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.1f} tok/s",
-                      flush=True)
+                print(f"round {round_index} {mode:8s} {tokens} tokens in {seconds:.2f}s = "
+                      f"{tokens / seconds:.1f} tok/s", flush=True)
     finally:
         serve.terminate()
         serve.wait(timeout=120)
 
-    med = {mode: statistics.median(r["tokens_per_s"] for r in runs if r["mode"] == mode) for mode in ("offline", "served")}
+    med = {mode: statistics.median(r["tokens_per_s"] for r in runs if r["mode"] == mode)
+           for mode in ("offline", "served")}
     report = {"model_dir": str(model_dir), "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "max_tokens": args.max_tokens, "concurrency": args.concurrency, "rounds": args.rounds, "runs": runs,
               "median_tokens_per_s": med, "served_over_offline": med["served"] / med["offline"]}

@@ -35,9 +35,20 @@ import aiohttp
 import numpy as np
 from tqdm.auto import tqdm
 
-from metroserve.benchmarks.serving_client import BenchError, RequestRecord, Target, counter_deltas, scrape, served_models
-from metroserve.benchmarks.serving_datasets import (BenchRequest, chat_jsonl_requests, random_requests,
-                                         shared_prefix_requests)
+from metroserve.benchmarks.serving_client import (
+    BenchError,
+    RequestRecord,
+    Target,
+    counter_deltas,
+    scrape,
+    served_models,
+)
+from metroserve.benchmarks.serving_datasets import (
+    BenchRequest,
+    chat_jsonl_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 from metroserve.benchmarks.serving_report import compare_reports, format_table, write_plots
 
 MAX_ERRORS_KEPT = 5
@@ -153,7 +164,7 @@ def summarize(setting: RunSetting, records: list[RequestRecord], duration_s: flo
         ttft_ms=LatencyStats.of([r.ttft_s for r in done if r.ttft_s is not None]),
         tpot_ms=LatencyStats.of([r.tpot_s for r in done if r.tpot_s is not None]),
         itl_ms=LatencyStats.of([gap for r in done for gap in r.itl_s]),
-        e2el_ms=LatencyStats.of([r.e2e_s for r in done]),
+        e2el_ms=LatencyStats.of([r.e2e_s for r in done if r.e2e_s is not None]),  # set on every success
         goodput=None if slos is None else sum(slos.met(r) for r in records) / duration_s,
         server=server, errors=[r.error for r in records if r.error][:MAX_ERRORS_KEPT])
 
@@ -234,8 +245,8 @@ def sweep_settings(args: argparse.Namespace) -> tuple[list[RunSetting], str | No
 
 def load_bench_tokenizer(path: str | None) -> Any:
     """The tokenizer at `path` (a model dir or .gguf), else that of metroserve's default model."""
-    from metroserve.worker.model_files import resolve_model_dir
     from metroserve.common.tokenizer import load_tokenizer
+    from metroserve.worker.model_files import resolve_model_dir
 
     return load_tokenizer(resolve_model_dir(path))
 

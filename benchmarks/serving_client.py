@@ -7,7 +7,6 @@ Prometheus text by the suffix of their names, so `metroserve:` and `vllm:` serve
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -48,7 +47,7 @@ class RequestRecord:
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first; undefined for one-token outputs."""
-        if not self.success or self.ttft_s is None or self.completion_tokens < 2:
+        if not self.success or self.ttft_s is None or self.e2e_s is None or self.completion_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
@@ -172,7 +171,7 @@ async def served_models(session: aiohttp.ClientSession, base_url: str) -> list[s
             return [m["id"] for m in (await resp.json()).get("data", [])]
     except aiohttp.ContentTypeError:  # not JSON: a server without /v1/models
         return []
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         raise BenchError(f"cannot reach {base_url}: {str(e) or type(e).__name__}") from None
     except (ValueError, KeyError, TypeError, AttributeError):  # JSON of another shape
         return []
@@ -187,7 +186,7 @@ async def scrape(target: Target, urls: list[str]) -> dict[str, float] | None:
                 resp.raise_for_status()
                 text = await resp.text()
             counters = parse_counters(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             target.note(f"cannot read metrics at {url} ({type(e).__name__}: {e}); server counters are left null")
             return None
         if not counters:

@@ -97,7 +97,7 @@ def shared_prefix_requests(tokenizer: Any, num_prefixes: int, suffixes_per_prefi
 
 def chat_jsonl_requests(path: Path, num_requests: int | None, output_len: int) -> list[BenchRequest]:
     """The first num_requests lines of a JSONL file: {"messages": [...]} or {"prompt": "..."}, optional "max_tokens"."""
-    requests = []
+    requests: list[BenchRequest] = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if num_requests is not None and len(requests) >= num_requests:

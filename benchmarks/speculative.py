@@ -43,7 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from metroserve.benchmarks.workload import build_chat_workload, stdlib_docstrings
-from metroserve.worker import LLM, SamplingParams
+from metroserve import LLM, SamplingParams
 from metroserve.worker.model_files import cache_root, resolve_model_dir
 
 SECTIONS = ("single", "single-chat", "batch", "draft")
@@ -174,12 +174,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del spec
         if "draft" in sections:
             drafts = [("the target in bfloat16", {"model": str(model_dir), "draft_dtype": "bfloat16"}),
-                      (f"first {args.draft_layers} layers", {"model": str(layer_skip_draft(model_dir, args.draft_layers))})]
+                      (f"first {args.draft_layers} layers",
+                       {"model": str(layer_skip_draft(model_dir, args.draft_layers))})]
             for label, draft in drafts:
                 spec = LLM(str(model_dir), speculative_config={"method": "draft_model", **draft,
                                                                "num_speculative_tokens": args.draft_tokens}, **common)
                 spec.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-                results.append(compare(f"single: draft = {label}", plain, spec, prompts, greedy, args.rounds, True, bar))
+                results.append(compare(f"single: draft = {label}", plain, spec, prompts, greedy, args.rounds, True,
+                                       bar))
                 del spec
     report = {"model_dir": str(model_dir), "torch_threads": torch.get_num_threads(), "ngram": ngram,
               "max_tokens": args.max_tokens, "results": results}

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from metroserve.benchmarks.workload import build_chat_workload
-from metroserve.worker import LLM, SamplingParams
+from metroserve import LLM, SamplingParams
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.model_files import resolve_model_dir
 
@@ -79,10 +79,11 @@ class TimedSections:
             yield
         finally:
             self.seconds += time.perf_counter() - start
-            if busy is None or self._other_busy is None:
+            end_busy = _busy_cpu_seconds()
+            if busy is None or end_busy is None or self._other_busy is None:
                 self._other_busy = None
             else:
-                self._other_busy += (_busy_cpu_seconds() - busy) - (_own_cpu_seconds() - own)
+                self._other_busy += (end_busy - busy) - (_own_cpu_seconds() - own)
 
     def extra(self) -> dict[str, float]:
         if self._other_busy is None or self.seconds <= 0:
@@ -103,10 +104,8 @@ def eos_token_ids(model_dir: Path) -> list[int]:
     """The model's EOS ids, from config.json and generation_config.json (as the engine reads them)."""
     ids: set[int] = set()
     sources = [AutoConfig.from_pretrained(model_dir)]
-    try:
+    with contextlib.suppress(OSError):  # no generation_config.json
         sources.append(GenerationConfig.from_pretrained(model_dir))
-    except OSError:  # no generation_config.json
-        pass
     for source in sources:
         eos = getattr(source, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else eos or [])
@@ -128,8 +127,11 @@ def device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype
     return dev, _DTYPES[dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")]
 
 
-def load_hf_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+def load_hf_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """A transformers causal LM: a PreTrainedModel with GenerationMixin, which no one class types."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy reads as an unbound function.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
@@ -217,7 +219,8 @@ def cb_config(prompts: list[list[int]], max_tokens: int, seed: int):
     engine_defaults = EngineConfig()
     page = engine_defaults.block_size
     num_blocks = sum(math.ceil((len(p) + max_tokens) / page) for p in prompts)
-    return ContinuousBatchingConfig(**{page_field: page}, num_blocks=num_blocks,
+    page_arg: dict[str, Any] = {page_field: page}
+    return ContinuousBatchingConfig(**page_arg, num_blocks=num_blocks,
                                     max_batch_tokens=engine_defaults.max_num_batched_tokens, seed=seed)
 
 
@@ -239,7 +242,8 @@ def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_
     if len(done) != len(prompts) or failed:
         raise RuntimeError(f"generate_batch finished {len(done)}/{len(prompts)} requests; failed: {failed}")
     outputs = [trim_output(r.generated_tokens, set(eos_ids), max_tokens) for r in done]
-    extra = {"attn_implementation": model.config._attn_implementation, "page_size": getattr(cb, "page_size", getattr(cb, "block_size", None)),
+    extra = {"attn_implementation": model.config._attn_implementation,
+             "page_size": getattr(cb, "page_size", getattr(cb, "block_size", None)),
              "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens, **clock.extra()}
     return PeerResult("hf-cb", outputs, clock.seconds, extra)
 
@@ -289,7 +293,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _print_report(report: dict[str, Any]) -> None:
     peers = report["peers"]
-    print(f"\nmodel {report['model_dir']}  {report['device']} {report['dtype']}  torch threads {report['torch_threads']}  "
+    print(f"\nmodel {report['model_dir']}  {report['device']} {report['dtype']}  "
+          f"torch threads {report['torch_threads']}  "
           f"requests {report['num_requests']}  prompt tokens {report['prompt_tokens']} "
           f"({report['prompt_len_min']}-{report['prompt_len_max']})  max new tokens {report['max_tokens']}")
     print(f"{'peer':<10} {'requests':>8} {'out tok':>8} {'seconds':>9} {'out tok/s':>10} {'engine/peer':>12} "

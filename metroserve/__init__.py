@@ -12,6 +12,12 @@ from importlib import import_module
 _EXPORTS = {
     "LLM": "metroserve.worker.llm",
     "SamplingParams": "metroserve.common.sampling_params",
+    "LLMEngine": "metroserve.worker.engine",
+    "AsyncEngine": "metroserve.worker.async_engine",
+    "EngineConfig": "metroserve.worker.config",
+    "RequestOutput": "metroserve.worker.outputs",
+    "CompletionOutput": "metroserve.worker.outputs",
+    "ModelLoadError": "metroserve.worker.model_files",
 }
 
 __all__ = list(_EXPORTS)

@@ -20,9 +20,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
-from metroserve.worker.attention.triton import (TritonAttention, _merge_segments_kernel, _paged_attention_kernel,  # noqa: E402
-                                               _pow2, _write_kv_kernel)
+from metroserve.worker.attention.triton import (  # noqa: E402
+    TritonAttention,
+    _merge_segments_kernel,
+    _paged_attention_kernel,
+    _pow2,
+    _write_kv_kernel,
+)
 
 _POINTERS = {"block_tables_ptr": "*i64", "slot_ptr": "*i64", "partial_acc_ptr": "*fp32", "partial_ml_ptr": "*fp32",
              "seq_lens_ptr": "*i32", "query_start_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32"}
@@ -52,7 +58,7 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, capability: int) -> int
     return compiled.metadata.shared
 
 
-def variants() -> list[tuple[object, str, dict]]:
+def variants() -> list[tuple[JITFunction, str, dict]]:
     out = []
     for dtype, torch_dtype, precision in (("fp32", torch.float32, "ieee"), ("bf16", torch.bfloat16, "tf32")):
         # The tiny test model (4/2 heads x 16), SmolLM2 and Llama-3-like layouts.
@@ -83,7 +89,8 @@ def main() -> int:
         if shared > limit:
             too_big.append(f"{kernel.__name__} {dtype} {constexprs}: {shared} bytes of shared memory")
     if too_big:
-        print("over the shared-memory limit of sm_%d (%d bytes):\n%s" % (capability, limit, "\n".join(too_big)))
+        listing = "\n".join(too_big)
+        print(f"over the shared-memory limit of sm_{capability} ({limit} bytes):\n{listing}")
         return 1
     print(f"compiled {compiled} kernel variants for sm_{capability}")
     return 0

@@ -52,14 +52,13 @@ class RedisServer:
 
     def start(self) -> None:
         """Start the server (empty) and wait until it answers PING."""
-        log = open(self._dir / "redis.log", "ab")
-        self._proc = subprocess.Popen(
-            [self._exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--daemonize", "no", "--dir", str(self._dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
+        with open(self._dir / "redis.log", "ab") as log:  # the server writes through its own descriptor
+            self._proc = subprocess.Popen(
+                [self._exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--daemonize", "no", "--dir", str(self._dir)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _answers_ping(self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:

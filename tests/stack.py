@@ -87,7 +87,7 @@ class ServeStack:
     def scheduler_address(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
-    def start(self, timeout_s: float = 300) -> "ServeStack":
+    def start(self, timeout_s: float = 300) -> ServeStack:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         wait_for(lambda: self.proc.poll() is not None or self.healthy(), timeout_s, "the stack to become ready", 0.3)
@@ -139,7 +139,7 @@ class ServeStack:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "ServeStack":
+    def __enter__(self) -> ServeStack:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from tests.conftest import assert_all_blocks_free
-from metroserve.worker import LLM, AsyncEngine, SamplingParams
+from metroserve import LLM, AsyncEngine, SamplingParams
 from metroserve.worker.async_engine import EngineDeadError
+from tests.conftest import assert_all_blocks_free
 
 PARAMS = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
 

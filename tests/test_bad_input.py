@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from metroserve import LLM, AsyncEngine, ModelLoadError, SamplingParams
 from tests.conftest import assert_all_blocks_free
-from metroserve.worker import LLM, AsyncEngine, ModelLoadError, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -18,8 +18,12 @@ from aiohttp import web
 from metroserve.benchmarks import serving
 from metroserve.benchmarks.serving import RunSetting, SLOs, arrival_offsets, summarize
 from metroserve.benchmarks.serving_client import RequestRecord, Target, counter_deltas, parse_counters
-from metroserve.benchmarks.serving_datasets import (BenchRequest, chat_jsonl_requests, random_requests,
-                                         shared_prefix_requests)
+from metroserve.benchmarks.serving_datasets import (
+    BenchRequest,
+    chat_jsonl_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 from tests.stack import ServeStack, free_port
 
 

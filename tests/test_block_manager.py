@@ -1,7 +1,7 @@
 """BlockManager unit tests: ref counts, prefix hits, LRU eviction order, copy-on-write."""
 
-from metroserve.worker.block_manager import BlockManager
 from metroserve.common.sampling_params import SamplingParams
+from metroserve.worker.block_manager import BlockManager
 from metroserve.worker.sequence import Request
 
 

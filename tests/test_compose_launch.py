@@ -16,7 +16,9 @@ import pytest
 import redis
 
 from tests.redis_server import RedisServer
-from tests.stack import ROOT, free_port, metric_value as value, scrape_metrics as scrape, wait_for
+from tests.stack import ROOT, free_port, wait_for
+from tests.stack import metric_value as value
+from tests.stack import scrape_metrics as scrape
 from tests.test_compose import COMPOSE_FILE, _load, compose_commands
 
 START_ORDER = ("scheduler", "worker", "gateway")

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_attention import random_layout
 from metroserve.worker.attention import TorchAttention
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model import apply_rope
+from tests.test_attention import random_layout
 
 
 @pytest.fixture(scope="module")

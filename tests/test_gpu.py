@@ -6,10 +6,10 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
+from metroserve import LLM, SamplingParams  # noqa: E402
 from tests.test_attention import random_layout  # noqa: E402
 from tests.test_greedy_vs_hf import run, tiny_prompts  # noqa: E402
 from tests.test_triton_attention import random_batch, run_both  # noqa: E402
-from metroserve.worker import LLM, SamplingParams  # noqa: E402
 
 CUDA = torch.device("cuda")
 

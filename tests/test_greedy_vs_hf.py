@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from metroserve import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free
-from metroserve.worker import LLM, SamplingParams
 
 
 def tiny_prompts(tokenizer) -> list[list[int]]:

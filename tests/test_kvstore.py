@@ -16,8 +16,8 @@ import pytest
 import redis
 import redis.asyncio.client
 
-from metroserve.kvstore import MemoryKVStore, RequestRecord, open_kvstore
 from metroserve.common.block_hash import hash_prompt_blocks
+from metroserve.kvstore import MemoryKVStore, RequestRecord, open_kvstore
 from metroserve.kvstore.redis_store import RedisKVStore
 from tests.redis_server import RedisServer
 

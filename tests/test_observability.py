@@ -10,7 +10,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.stack import ROOT, ServeStack, metric_value as value, scrape_metrics as scrape, wait_for
+from tests.stack import ROOT, ServeStack, wait_for
+from tests.stack import metric_value as value
+from tests.stack import scrape_metrics as scrape
 
 PREFIX_TOKENS = [(7 * i) % 500 + 3 for i in range(48)]  # three full blocks of 16, shared by every prompt
 MAX_TOKENS = 6
@@ -155,7 +157,7 @@ def test_histogram_buckets_follow_prometheus_le_semantics():
 def test_engine_collector_reports_speculation_and_respects_disable_log_stats(tiny_model_dir):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from metroserve.worker import LLM, SamplingParams
+    from metroserve import LLM, SamplingParams
     from metroserve.worker.metrics import EngineCollector
 
     llm = LLM(model=str(tiny_model_dir), kv_cache_memory="32MiB",

@@ -31,7 +31,7 @@ def stack(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
     """Offline greedy outputs on the same weights: text and token counts."""
-    from metroserve.worker import LLM, SamplingParams
+    from metroserve import LLM, SamplingParams
 
     llm = LLM(model=str(smollm2_dir), kv_cache_memory="128MiB")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -1,7 +1,7 @@
 """A shared 512-token system prompt is computed once; later requests reuse its full blocks."""
 
+from metroserve import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free
-from metroserve.worker import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

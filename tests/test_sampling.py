@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_all_blocks_free
-from metroserve.worker import LLM, SamplingParams
+from metroserve import LLM, SamplingParams
 from metroserve.worker.sampler import Sampler
 from metroserve.worker.sequence import Request
+from tests.conftest import assert_all_blocks_free
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 import torch
 
+from metroserve import LLM, LLMEngine, SamplingParams
 from tests.conftest import assert_all_blocks_free
-from metroserve.worker import LLM, LLMEngine, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from tests.conftest import assert_all_blocks_free, build_tiny_model
-from tests.reference import NEAR_TIE
-from metroserve.worker import LLM, LLMEngine, SamplingParams
+from metroserve import LLM, LLMEngine, SamplingParams
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.spec_decode.config import SpeculativeConfig
 from metroserve.worker.spec_decode.ngram_proposer import NgramProposer
 from metroserve.worker.spec_decode.rejection_sampler import rejection_sample
+from tests.conftest import assert_all_blocks_free, build_tiny_model
+from tests.reference import NEAR_TIE
 
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from tests.test_attention import random_layout
-from tests.test_greedy_vs_hf import check_all, run, tiny_prompts
-from metroserve.worker import LLM, SamplingParams
+from metroserve import LLM, SamplingParams
 from metroserve.worker.attention import TorchAttention
 from metroserve.worker.kv_cache import KVCache
+from tests.test_attention import random_layout
+from tests.test_greedy_vs_hf import check_all, run, tiny_prompts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

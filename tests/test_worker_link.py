@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from metroserve.common.request_limits import RequestLimits
+from metroserve.common.sampling_params import SamplingParams
 from metroserve.rpc import cluster_pb2
 from metroserve.scheduler.request_state import Placement, RequestState
 from metroserve.scheduler.worker_link import WorkerLink
-from metroserve.common.request_limits import RequestLimits
-from metroserve.common.sampling_params import SamplingParams
 
 LIMITS = RequestLimits(vocab_size=512, max_model_len=2048, max_num_seqs=8, block_size=16, num_blocks=100)
 
