@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from metroserve.benchmarks.random_model import write_random_llama
 from metroserve import EngineConfig, LLMEngine, SamplingParams
+from metroserve.benchmarks.random_model import write_random_llama
 from metroserve.worker.attention import AttentionBackend, BatchLayout, TorchAttention, block_tables_to_slots
 from metroserve.worker.kv_cache import KVCache
 

@@ -42,8 +42,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 from tqdm.auto import tqdm
 
-from metroserve.benchmarks.workload import build_chat_workload, stdlib_docstrings
 from metroserve import LLM, SamplingParams
+from metroserve.benchmarks.workload import build_chat_workload, stdlib_docstrings
 from metroserve.worker.model_files import cache_root, resolve_model_dir
 
 SECTIONS = ("single", "single-chat", "batch", "draft")

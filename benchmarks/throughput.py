@@ -37,8 +37,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from metroserve.benchmarks.workload import build_chat_workload
 from metroserve import LLM, SamplingParams
+from metroserve.benchmarks.workload import build_chat_workload
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.model_files import resolve_model_dir
 

@@ -30,6 +30,7 @@ the sentinel last; then the store is healthy again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -243,10 +244,8 @@ class RedisKVStore(MemoryKVStore):
         if self._flusher is not None:
             async with self._lock:  # so the flusher is never cancelled holding commands it took
                 self._flusher.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
-            except asyncio.CancelledError:
-                pass
             self._flusher = None
             await self._flush_once()
             # Later writes only change memory: nothing would ever send what they queue.
@@ -263,10 +262,8 @@ class RedisKVStore(MemoryKVStore):
             if not (self._ops or self._needs_resync or idle_s >= PROBE_INTERVAL_S):
                 continue
             idle_s = 0.0
-            if await self._flush_once():
-                delay = self._flush_interval_s
-            else:
-                delay = min(max(2 * delay, 0.05), MAX_BACKOFF_S)
+            ok = await self._flush_once()
+            delay = self._flush_interval_s if ok else min(max(2 * delay, 0.05), MAX_BACKOFF_S)
 
     async def _flush_once(self) -> bool:
         """One flush, resync or idle probe; False on a Redis error (the store is then unhealthy)."""
@@ -373,10 +370,10 @@ class RedisKVStore(MemoryKVStore):
             for key, tokens in zip(keys, entries):
                 # The index has no ':' but a request id may, so split at the last ":out:".
                 request_id, _, index = key[len(self._prefix) + 4 :].rpartition(":out:")
-                record = self._requests.get(request_id)
+                owner = self._requests.get(request_id)
                 try:
-                    if record is not None:
-                        record.output_token_ids[int(index)] = [int(t) for t in tokens]
+                    if owner is not None:
+                        owner.output_token_ids[int(index)] = [int(t) for t in tokens]
                 except ValueError:
                     logger.warning("kvstore: skipping malformed token list %s", key)
                 # A list without its record is an orphan: the rewrite in start() deletes it.

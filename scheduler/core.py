@@ -177,14 +177,15 @@ class SchedulerCore:
         """End a request before its workers finished it: each placement ends on its worker with its
         sequences' finish reasons, the record goes, the slots go to the queue."""
         state.done = True
-        for i, reason in enumerate(state.finish_reasons):
-            if reason is None:
-                state.finish_reasons[i] = "abort"
+        reasons = [reason or "abort" for reason in state.finish_reasons]
+        state.finish_reasons[:] = reasons
         for placement in state.placements.values():
+            if placement.worker_id is None:  # still queued: no worker holds it
+                continue
             link = self.workers.get(placement.worker_id)
             if link is not None:
-                reasons = state.finish_reasons[placement.base_index:placement.base_index + placement.num_seqs]
-                link.release(placement, abort=True, finish_reasons=reasons)
+                link.release(placement, abort=True,
+                             finish_reasons=reasons[placement.base_index:placement.base_index + placement.num_seqs])
         state.placements.clear()
         self.queue = [p for p in self.queue if p.request is not state]
         self._forget(state)

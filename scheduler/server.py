@@ -21,12 +21,12 @@ from metroserve.kvstore import open_kvstore
 from metroserve.rpc import (
     GENERATION_SERVICE,
     GRPC_OPTIONS,
+    PARAM_METADATA_KEY,
     cluster_pb2,
     cluster_pb2_grpc,
     generation_pb2,
     generation_pb2_grpc,
 )
-from metroserve.rpc import PARAM_METADATA_KEY
 from metroserve.scheduler.core import CoreOptions, RequestError, SchedulerCore
 from metroserve.scheduler.metrics import SchedulerCollector
 from metroserve.scheduler.worker_link import WorkerLink

@@ -39,7 +39,7 @@ class RequestTelemetry:
         if state.placed_time is None:
             state.placed_time = time.monotonic()
         state.workers.append(worker_id)
-        if state.span is None:
+        if state.span is None or self.tracer is None:  # a request has a span only while tracing is on
             return {}
         parent = trace.set_span_in_context(state.span)
         self.tracer.start_span("scheduler.queue", context=parent, start_time=ns(placement.queued_wall_time),

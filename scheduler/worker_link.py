@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from metroserve.common.request_limits import RequestLimits
 from metroserve.rpc import cluster_pb2
@@ -54,7 +55,7 @@ class WorkerLink:
         self._assign.append(assignment)
         self.wakeup.set()
 
-    def release(self, placement: Placement, abort: bool, finish_reasons: list[str] = ()) -> None:
+    def release(self, placement: Placement, abort: bool, finish_reasons: Sequence[str] = ()) -> None:
         """The placement is over here: finished, ended by the scheduler (tell the worker, with each
         sequence's finish reason; none given: all "abort") or handed back."""
         if self.placements.pop(placement.placement_id, None) is None:

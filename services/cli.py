@@ -85,7 +85,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     _setup_logging("worker")
     configure_tracing("metroserve-worker", args.otlp_endpoint)
-    options = WorkerOptions(scheduler=args.scheduler, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+    options = WorkerOptions(scheduler=args.scheduler,
+                            worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
                             health_port=args.health_port, drain_timeout_s=args.drain_timeout,
                             served_model_name=args.served_model_name, metrics_port=args.metrics_port)
     config = EngineConfig.from_cli_args(args)
@@ -210,14 +211,16 @@ _BENCHMARKS = {
     "speculative": _Benchmark("speculative", "speculative decoding (n-gram, draft model) vs plain decoding"),
     "serve": _Benchmark("serving", "load generator for any OpenAI-compatible server: TTFT, TPOT, ITL, throughput, "
                                    "goodput, prefix-cache hits; JSON and PNG plots", entry="main"),
-    "observability": _Benchmark("observability_overhead", "throughput with metrics, request logs and tracing on vs off"),
+    "observability": _Benchmark("observability_overhead",
+                                "throughput with metrics, request logs and tracing on vs off"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     from metroserve.worker.config import EngineConfig  # torch-free: the flags only
 
-    parser = argparse.ArgumentParser(prog="metroserve", description="LLM serving with a paged KV cache and continuous batching.")
+    parser = argparse.ArgumentParser(prog="metroserve",
+                                     description="LLM serving with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate offline for prompts given as arguments or stdin lines",

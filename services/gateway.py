@@ -75,7 +75,8 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     readiness = None
     if options.grpc_port:
         server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
-        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name, metrics), server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name, metrics),
+                                                             server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if server.add_insecure_port(f"{options.host}:{options.grpc_port}") == 0:

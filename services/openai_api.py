@@ -87,7 +87,8 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
 
 def parse_completion(body: dict, tokenizer) -> GenerationRequest:
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         prompts = prompt
@@ -238,8 +239,8 @@ class ResponseBuilder:
             finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
             stop_reason = next((d.stop_reason for d in reversed(deltas) if d.stop_reason is not None), None)
             entries = [e for d in deltas for e in d.logprobs]
-            choice: dict = {"index": index, "finish_reason": finish, "stop_reason": stop_reason,
-                            "logprobs": logprobs_body(self.tokenizer, entries, self.chat, self.top_logprobs) if self.logprobs else None}
+            logprobs = logprobs_body(self.tokenizer, entries, self.chat, self.top_logprobs) if self.logprobs else None
+            choice: dict = {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "logprobs": logprobs}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

@@ -14,7 +14,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -101,9 +102,9 @@ class RestAPI:
 
     @web.middleware
     async def _errors_and_auth(self, request: web.Request, handler):
-        if self.api_key and request.path not in _UNPROTECTED:
-            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
-                return json_error(401, "invalid or missing API key", code="invalid_api_key")
+        if (self.api_key and request.path not in _UNPROTECTED
+                and request.headers.get("Authorization", "") != f"Bearer {self.api_key}"):
+            return json_error(401, "invalid or missing API key", code="invalid_api_key")
         try:
             return await handler(request)
         except BadRequest as e:
@@ -175,7 +176,7 @@ class RestAPI:
             await merged.aclose()
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, req: GenerationRequest,
-                      merged: AsyncIterator, first_updates: list) -> web.StreamResponse:
+                      merged: AsyncIterator[tuple[int, StreamUpdate]], first_updates: list) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         n = req.params.n
@@ -228,7 +229,8 @@ class RestAPI:
             except ValueError as e:
                 raise BadRequest(str(e), param="messages") from None
         elif isinstance(body.get("prompt"), str):
-            tokens = self.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            tokens = self.tokenizer.encode(body["prompt"],
+                                           add_special_tokens=bool(body.get("add_special_tokens", True)))
         else:
             raise BadRequest("give 'prompt' (a string) or 'messages'", param="prompt")
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
@@ -264,7 +266,7 @@ async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator[tuple[int, S
         yield item
 
 
-async def _merge(streams: list[AsyncIterator[StreamUpdate]]) -> AsyncIterator:
+async def _merge(streams: list[AsyncGenerator[StreamUpdate, None]]) -> AsyncGenerator[Any, None]:
     """Interleave several prompts' streams. The first item is a list: each stream's first update
     (so every refusal surfaces before the response starts); then (prompt index, update) pairs."""
     if len(streams) == 1:  # the common case, without tasks
@@ -293,7 +295,9 @@ async def _merge(streams: list[AsyncIterator[StreamUpdate]]) -> AsyncIterator:
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        firsts, open_streams, seen = [], len(streams), set()
+        firsts: list[tuple[int, StreamUpdate]] = []
+        seen: set[int] = set()
+        open_streams = len(streams)
         while open_streams:
             index, item = await queue.get()
             if item is None:

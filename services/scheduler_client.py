@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -42,7 +42,8 @@ class SchedulerClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._tracing = tracer("metroserve.gateway") is not None
 
-    async def generate(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def generate(self, request: generation_pb2.GenerateRequest,
+                       ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """Yields the scheduler's messages, the first being its admission acknowledgment (no tokens).
 
         Raises UpstreamError before yielding anything if the request is refused, so callers can
@@ -71,7 +72,7 @@ class SchedulerClient:
         finally:
             call.cancel()  # no-op once the call is done
 
-    async def abort(self, request_id: str, ended: list[generation_pb2.SequenceEnd] = ()) -> bool:
+    async def abort(self, request_id: str, ended: Sequence[generation_pb2.SequenceEnd] = ()) -> bool:
         """End a request; `ended`: sequences a stop string ended here (the rest end as "abort")."""
         return (await self._stub.Abort(generation_pb2.AbortRequest(request_id=request_id, ended=ended))).found
 

@@ -127,8 +127,10 @@ class Stack:
 
     def wait_ready(self, timeout_s: float = 600.0) -> bool:
         """Poll the gateway's /health until every part is up (a worker loading the model takes a while)."""
+        assert self.scheduler is not None and self.gateway is not None, "start() first"
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.options.host if self.options.host != '0.0.0.0' else '127.0.0.1'}:{self.options.port}/health"
+        host = self.options.host if self.options.host != "0.0.0.0" else "127.0.0.1"
+        url = f"http://{host}:{self.options.port}/health"
         while time.monotonic() < deadline:
             if self.scheduler.poll() is not None or self.gateway.poll() is not None:
                 return False
@@ -143,6 +145,7 @@ class Stack:
 
     def supervise(self) -> int:
         """Restart dead workers until asked to stop; returns the exit code."""
+        assert self.scheduler is not None and self.gateway is not None, "start() first"
         while not self._stopping:
             if self.scheduler.poll() is not None or self.gateway.poll() is not None:
                 logger.error("the %s exited; stopping", "scheduler" if self.scheduler.poll() is not None else "gateway")

@@ -12,7 +12,7 @@ recorded with the worker's reason and token count.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from metroserve.common.detokenizer import IncrementalDetokenizer
@@ -91,7 +91,7 @@ class SequenceText:
 
 async def stream_text(client: SchedulerClient, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str, model: str = "", priority: int = 0,
-                      cache_salt: str | None = None) -> AsyncIterator[StreamUpdate]:
+                      cache_salt: str | None = None) -> AsyncGenerator[StreamUpdate, None]:
     """One request through the scheduler. The first update is empty: the request was admitted;
     a refusal raises UpstreamError instead."""
     request = generation_pb2.GenerateRequest(

@@ -48,4 +48,5 @@ class HFReference:
                     f"greedy divergence at output token {i}: ours {a} vs reference {b}, logprob gap {gap:.2e} "
                     f"is not a near-tie\nours {ours}\nref  {ref}")
                 return
-        assert len(ours) == len(ref), f"length differs: ours {len(ours)} vs reference {len(ref)}\nours {ours}\nref  {ref}"
+        assert len(ours) == len(ref), (f"length differs: ours {len(ours)} vs reference {len(ref)}\n"
+                                       f"ours {ours}\nref  {ref}")

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -66,13 +67,13 @@ def metric_value(samples: dict, name: str, **labels) -> float:
 
 
 class ServeStack:
-    def __init__(self, model: Path | str, workers: int = 1, extra_args: list[str] = (), log_path: Path | None = None,
-                 env: dict | None = None):
+    def __init__(self, model: Path | str, workers: int = 1, extra_args: Sequence[str] = (),
+                 log_path: Path | None = None, env: dict | None = None):
         self.num_workers = workers
         self.port, self.grpc_port, self.scheduler_port = free_port(), free_port(), free_port()
         self.metrics_port = free_port_run(1 + workers)  # the scheduler's; worker i's is this + 1 + i
-        self.args = [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model), "--workers", str(workers),
-                     "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+        self.args = [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model),
+                     "--workers", str(workers), "--port", str(self.port), "--grpc-port", str(self.grpc_port),
                      "--scheduler-port", str(self.scheduler_port), "--metrics-port", str(self.metrics_port),
                      "--kv-cache-memory", "256MiB", *extra_args]
         self.log_path = log_path
@@ -88,10 +89,11 @@ class ServeStack:
         return f"127.0.0.1:{self.scheduler_port}"
 
     def start(self, timeout_s: float = 300) -> ServeStack:
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        wait_for(lambda: self.proc.poll() is not None or self.healthy(), timeout_s, "the stack to become ready", 0.3)
-        assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}; log: {self.log_tail()}"
+        with open(self.log_path or os.devnull, "wb") as log:  # the stack writes through its own descriptor
+            proc = self.proc = subprocess.Popen(self.args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                env=self.env)
+        wait_for(lambda: proc.poll() is not None or self.healthy(), timeout_s, "the stack to become ready", 0.3)
+        assert proc.poll() is None, f"serve exited with {proc.returncode}; log: {self.log_tail()}"
         # /health is up once one worker serves; tests of placement need every worker registered.
         wait_for(lambda: len(self.cluster_status().workers) == self.num_workers, timeout_s,
                  f"all {self.num_workers} workers to register", 0.2)

@@ -42,6 +42,11 @@ def n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _text(request: BenchRequest) -> str:
+    assert isinstance(request.prompt, str), "a /v1/completions request: text, not messages"
+    return request.prompt
+
+
 # -- datasets ------------------------------------------------------------------------------------
 
 
@@ -49,7 +54,7 @@ def test_random_prompts_have_lengths_in_range(tokenizer):
     requests = random_requests(tokenizer, num_requests=40, input_len=60, output_len=10, range_ratio=0.5, seed=1)
     assert len(requests) == 40
     for r in requests:
-        assert 30 <= n_tokens(tokenizer, r.prompt) <= 90 and r.prompt_len == n_tokens(tokenizer, r.prompt)
+        assert 30 <= n_tokens(tokenizer, _text(r)) <= 90 and r.prompt_len == n_tokens(tokenizer, _text(r))
         assert 5 <= r.max_tokens <= 15 and not r.is_chat
     assert len({r.prompt_len for r in requests}) > 5  # spread, not one length
     assert not any(s in r.prompt for r in requests for s in tokenizer.all_special_tokens)
@@ -63,14 +68,15 @@ def test_shared_prefix_requests_start_with_their_prefix_and_interleave(tokenizer
     assert len(requests) == P * S and all(r.max_tokens == 4 for r in requests)
     # Random-token prefixes share (almost) no leading text, so grouping by a short leading string
     # recovers the prefixes; each group's common text is the prefix.
+    prompts = [_text(r) for r in requests]
     groups: dict[str, list[int]] = {}
-    for i, r in enumerate(requests):
-        groups.setdefault(r.prompt[:12], []).append(i)
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt[:12], []).append(i)
     assert sorted(len(g) for g in groups.values()) == [S] * P
     for members in groups.values():
-        prefix = os.path.commonprefix([requests[i].prompt for i in members])
+        prefix = os.path.commonprefix([prompts[i] for i in members])
         assert abs(n_tokens(tokenizer, prefix) - 32) <= 1
-        assert all(requests[i].prompt.startswith(prefix) for i in members)
+        assert all(prompts[i].startswith(prefix) for i in members)
     order = [next(k for k, g in enumerate(groups.values()) if i in g) for i in range(P * S)]
     assert sum(a != b for a, b in zip(order, order[1:])) > P - 1  # not grouped by prefix
 
@@ -101,7 +107,8 @@ def test_summary_percentiles_and_goodput():
     assert [r.tpot_s for r in records] == pytest.approx([0.1, 0.05, None, None])
     slos = SLOs.parse(["ttft:250", "tpot:80"])
     # 1st misses TPOT, 2nd misses TTFT, 3rd has no TPOT (one token) and meets TTFT, 4th failed.
-    s = summarize(RunSetting(4, float("inf"), 1.0), records, duration_s=2.0, slos=slos, server=counter_deltas(None, None))
+    s = summarize(RunSetting(4, float("inf"), 1.0), records, duration_s=2.0, slos=slos,
+                  server=counter_deltas(None, None))
     assert (s.completed, s.failed, s.total_input_tokens, s.total_output_tokens) == (3, 1, 60, 16)
     assert (s.request_throughput, s.output_throughput, s.total_token_throughput) == (1.5, 8.0, 38.0)
     assert s.goodput == 0.5 and s.errors == ["HTTP 500: boom"] and s.request_rate is None and s.name == "c=4"
@@ -178,17 +185,19 @@ def test_sse_parsing_usage_fallback_and_error_events():
     usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}})
     r = asyncio.run(_send_to_fake([text("a"), text(""), text("b"), usage, "[DONE]"], BenchRequest("p", 3)))
     assert r.success and r.prompt_tokens == 7 and r.completion_tokens == 3 and len(r.itl_s) == 1
+    assert r.ttft_s is not None and r.e2e_s is not None
     assert 0 < r.ttft_s < r.e2e_s and r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 2)
 
     chat = lambda t: json.dumps({"choices": [{"index": 0, "delta": {"content": t}}]})  # noqa: E731
-    r = asyncio.run(_send_to_fake([chat("x"), chat("y"), "[DONE]"], BenchRequest([{"role": "user", "content": "q"}], 2)))
+    request = BenchRequest([{"role": "user", "content": "q"}], 2)
+    r = asyncio.run(_send_to_fake([chat("x"), chat("y"), "[DONE]"], request))
     assert r.success and r.completion_tokens == 2  # no usage chunk: counted chunks
 
     r = asyncio.run(_send_to_fake([text("a"), json.dumps({"error": {"message": "worker died"}}), "[DONE]"],
                                   BenchRequest("p", 3)))
-    assert not r.success and "worker died" in r.error
+    assert not r.success and r.error is not None and "worker died" in r.error
     r = asyncio.run(_send_to_fake([text("a")], BenchRequest("p", 3)))
-    assert not r.success and "[DONE]" in r.error
+    assert not r.success and r.error is not None and "[DONE]" in r.error
 
 
 def test_unreachable_server_is_one_line_and_exit_1(capsys):
@@ -246,6 +255,7 @@ def stack(tiny_model_dir, tmp_path_factory):
         yield s
 
 
+@pytest.mark.service
 def test_concurrency_sweep_on_shared_prefixes(stack, tiny_model_dir, metrics_url, tmp_path, capsys):
     out, plots = tmp_path / "on.json", tmp_path / "plots"
     rc = serving.main(parse_args([
@@ -283,6 +293,7 @@ def test_concurrency_sweep_on_shared_prefixes(stack, tiny_model_dir, metrics_url
     assert (plots / "compare.png").stat().st_size > 1000 and (plots / "compare.md").read_text().strip() == table
 
 
+@pytest.mark.service
 def test_chat_dataset_and_failed_requests(stack, tmp_path, capsys):
     path = tmp_path / "chat.jsonl"
     path.write_text('{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}\n')

@@ -54,6 +54,7 @@ def test_bench_throughput_runs_all_peers(tiny_model_dir, tmp_path, capsys):
     assert "engine/peer" in capsys.readouterr().out
 
 
+@pytest.mark.service
 def test_bench_overhead_runs_both_sides(tiny_model_dir, tmp_path):
     from tests.stack import free_port
 
@@ -67,6 +68,7 @@ def test_bench_overhead_runs_both_sides(tiny_model_dir, tmp_path):
     assert report["served_over_offline"] > 0
 
 
+@pytest.mark.service
 def test_bench_observability_runs_both_stacks_with_the_signals_on_one(tiny_model_dir, tmp_path):
     from tests.stack import free_port
 
@@ -103,6 +105,7 @@ def test_serve_splits_cpu_cores_between_workers(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     stack = Stack(ServeOptions(engine=EngineConfig(device="cpu"), served_model_name="m", workers=3))
-    assert stack._worker_env(0)["OMP_NUM_THREADS"] == "2"
+    env = stack._worker_env(0)
+    assert env is not None and env["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's choice wins
     assert stack._worker_env(1) is None

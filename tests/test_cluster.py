@@ -12,9 +12,12 @@ from collections import Counter
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.redis_server import RedisServer
 from tests.stack import ROOT, ServeStack, wait_for
+
+pytestmark = pytest.mark.service
 
 SYSTEM = ("You are a careful assistant for a library. Answer questions about the catalogue, opening hours, "
           "loans and fines. Keep answers short and polite, and never invent a book that is not listed. ") * 6
@@ -22,7 +25,8 @@ SYSTEM = ("You are a careful assistant for a library. Answer questions about the
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    with ServeStack(tiny_model_dir, workers=2, extra_args=["--served-model-name", "tiny"], log_path=tmp_path_factory.mktemp("serve") / "serve.log") as s:
+    with ServeStack(tiny_model_dir, workers=2, extra_args=["--served-model-name", "tiny"],
+                    log_path=tmp_path_factory.mktemp("serve") / "serve.log") as s:
         yield s
 
 
@@ -45,7 +49,7 @@ def _chats(stack, conversations: list[tuple[str | None, str]], limit: int):
         client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused")
 
         async def chat(system: str | None, question: str):
-            messages = [{"role": "system", "content": system}] if system else []
+            messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": system}] if system else []
             messages.append({"role": "user", "content": question})
             return await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
 
@@ -98,16 +102,17 @@ def test_tokens_stream_one_step_at_a_time(stack):
 def test_disconnects_free_every_block(stack):
     """200 streaming requests; 40 clients hang up after two chunks. Nothing stays allocated."""
     async def one(client, i: int):
-        stream = await client.completions.create(model="tiny", prompt=f"Request {i}: tell me about " + "books " * (i % 30),
-                                                 max_tokens=48, temperature=0, stream=True,
+        prompt = f"Request {i}: tell me about " + "books " * (i % 30)
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=48, temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True})
-        chunks = 0
+        chunks, last = 0, None
         async for chunk in stream:
-            chunks += 1
+            chunks, last = chunks + 1, chunk
             if i % 5 == 0 and chunks == 2:
                 await stream.close()  # the client goes away mid-stream
                 return "disconnected"
-        return chunk.choices[0].finish_reason if chunk.choices else "no-finish"
+        assert last is not None, "the stream ended without a chunk"
+        return last.choices[0].finish_reason if last.choices else "no-finish"
 
     async def run():
         client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
@@ -123,7 +128,7 @@ def test_disconnects_free_every_block(stack):
 def _long_streams(stack, prompts: list[str], max_tokens: int, on_progress=None):
     """Stream every prompt at once (greedy, ignore_eos); on_progress(counter) runs as tokens arrive
     and may return an awaitable once, e.g. to kill a worker mid-run. Returns (text, finish, tokens)."""
-    progress = Counter()
+    progress: Counter[int] = Counter()  # prompt index -> text chunks received
 
     async def one(client, i: int):
         stream = await client.completions.create(model="tiny", prompt=prompts[i], max_tokens=max_tokens, temperature=0,
@@ -158,11 +163,12 @@ def test_sigterm_drain_hands_back_unfinished_work(stack, tiny_model_dir, tmp_pat
     sequences back. The streams finish elsewhere with the text of an undisturbed run."""
     prompts = [f"Drain {i}: " + "the catalogue lists " * (1 + i % 3) for i in range(8)]
     undisturbed = _long_streams(stack, prompts, 1200)
-    log = open(tmp_path / "worker.log", "wb")
-    extra = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", "worker", "--scheduler", stack.scheduler_address,
-                              "--worker-id", "standalone", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
-                              "--kv-cache-memory", "64MiB", "--drain-timeout", "0.5"], cwd=ROOT, stdout=log,
-                             stderr=subprocess.STDOUT)
+    with open(tmp_path / "worker.log", "wb") as log:  # the worker writes through its own descriptor
+        extra = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", "worker",
+                                  "--scheduler", stack.scheduler_address, "--worker-id", "standalone",
+                                  "--model", str(tiny_model_dir), "--served-model-name", "tiny",
+                                  "--kv-cache-memory", "64MiB", "--drain-timeout", "0.5"], cwd=ROOT, stdout=log,
+                                 stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: len(stack.cluster_status().workers) == 3, 120, "the standalone worker to register")
         handed_back = {}
@@ -214,7 +220,8 @@ def test_redis_restart_mid_run(tiny_model_dir, tmp_path):
     """With --kvstore redis: Redis restarted mid-run; serving continues and the index is rebuilt in it."""
     import redis
 
-    with RedisServer() as server, ServeStack(tiny_model_dir, workers=1, extra_args=["--kvstore", server.url, "--served-model-name", "tiny"],
+    with RedisServer() as server, ServeStack(tiny_model_dir, workers=1,
+                                             extra_args=["--kvstore", server.url, "--served-model-name", "tiny"],
                                              log_path=tmp_path / "serve.log") as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
         r = redis.Redis.from_url(server.url)

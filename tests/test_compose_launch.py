@@ -103,6 +103,7 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
                 proc.wait()
 
 
+@pytest.mark.service
 def test_compose_commands_run_as_local_processes(tiny_model_dir, tmp_path):
     ports = {key: free_port() for key in COMPOSE_PORTS}
     port_map = {COMPOSE_PORTS[key]: ports[key] for key in COMPOSE_PORTS}
@@ -118,11 +119,16 @@ def test_compose_commands_run_as_local_processes(tiny_model_dir, tmp_path):
             for name in START_ORDER:
                 logs[name] = tmp_path / f"{name}.log"
                 with open(logs[name], "wb") as log:
-                    procs[name] = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *commands[name]], cwd=ROOT,
-                                                   stdout=log, stderr=subprocess.STDOUT)
+                    procs[name] = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *commands[name]],
+                                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
             health_url = f"http://127.0.0.1:{ports['gateway']}/health"
-            wait_for(lambda: _alive_or_fail(procs, logs) or _http_ok(health_url), 180, "the gateway's /health", 0.3)
+
+            def gateway_up() -> bool:
+                _alive_or_fail(procs, logs)
+                return _http_ok(health_url)
+
+            wait_for(gateway_up, 180, "the gateway's /health", 0.3)
 
             # One chat completion through gateway -> scheduler -> worker. The message is long enough to
             # fill several 16-token KV blocks, so the worker has blocks to report to the index.
@@ -132,7 +138,7 @@ def test_compose_commands_run_as_local_processes(tiny_model_dir, tmp_path):
             message = "Please summarize what a paged key-value cache does in an inference server. " * 4
             reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": message}],
                                                    max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-            assert reply.choices[0].message.content
+            assert reply.choices[0].message.content and reply.usage is not None
             assert reply.usage.completion_tokens == 8 and reply.usage.prompt_tokens >= 48
 
             # Each service's own compose healthcheck, run here against the substituted port.
@@ -166,6 +172,7 @@ def test_compose_commands_run_as_local_processes(tiny_model_dir, tmp_path):
                 hashes = r.smembers(keys[0])
                 assert len(hashes) >= 3
                 some = next(iter(hashes))
+                assert isinstance(some, str)  # decode_responses=True
                 assert r.hgetall(f"metroserve:blk:{some}").keys() == {worker_id}
             finally:
                 r.close()

@@ -12,6 +12,8 @@ import pytest
 from metroserve.common.tokenizer import load_tokenizer
 from tests.stack import ServeStack, metric_value, scrape_metrics, wait_for
 
+pytestmark = pytest.mark.service
+
 PROMPT = [11, 12, 13, 14, 15, 16]
 
 
@@ -64,12 +66,12 @@ def test_stop_length_eos_and_abort_agree_everywhere(traced_stack, tiny_model_dir
     stack, sink = traced_stack
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     model = client.models.list().data[0].id
-    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    ignore_eos = {"ignore_eos": True}
 
     # length
     before = _counted(stack, sink, "length")
-    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, **greedy)
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=ignore_eos)
+    assert r.choices[0].finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 8
     _check(stack, sink, r.id, "length", 8, *before)
     full_text = r.choices[0].text
 
@@ -77,10 +79,11 @@ def test_stop_length_eos_and_abort_agree_everywhere(traced_stack, tiny_model_dir
     stop = next(full_text[i:i + 2] for i in range(2, len(full_text) - 1)
                 if full_text[i:i + 2].strip() and full_text.find(full_text[i:i + 2]) == i)
     before = _counted(stack, sink, "stop")
-    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=64, stop=[stop], **greedy)
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=64, stop=[stop], temperature=0,
+                                  extra_body=ignore_eos)
     assert r.choices[0].finish_reason == "stop"
     assert full_text.startswith(r.choices[0].text) and stop not in r.choices[0].text
-    assert r.usage.completion_tokens < 64
+    assert r.usage is not None and r.usage.completion_tokens < 64
     _check(stack, sink, r.id, "stop", r.usage.completion_tokens, *before)
 
     # EOS, made certain by a logit bias, after min_tokens
@@ -88,18 +91,20 @@ def test_stop_length_eos_and_abort_agree_everywhere(traced_stack, tiny_model_dir
     before = _counted(stack, sink, "stop")
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=32, temperature=0,
                                   logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
-    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4  # 3 + the EOS
+    assert r.choices[0].finish_reason == "stop" and r.usage is not None
+    assert r.usage.completion_tokens == 4  # 3 + the EOS
     _check(stack, sink, r.id, "stop", 4, *before)
 
     # the client goes away mid-stream
-    before, spans_before = _counted(stack, sink, "abort")
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=1500, stream=True, **greedy)
+    aborted_before, spans_before = _counted(stack, sink, "abort")
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=1500, stream=True, temperature=0,
+                                       extra_body=ignore_eos)
     first = next(iter(stream))
     stream.close()
     worker = wait_for(lambda: (s := scrape_metrics(stack.metrics_url("worker-0"))) and
-                      metric_value(s, "request_success_total", finished_reason="abort") == before + 1 and s,
+                      metric_value(s, "request_success_total", finished_reason="abort") == aborted_before + 1 and s,
                       10, "the worker to count the abort")
-    assert metric_value(worker, "request_success_total", finished_reason="abort") == before + 1
+    assert metric_value(worker, "request_success_total", finished_reason="abort") == aborted_before + 1
     record = wait_for(lambda: _log_line(stack, first.id), 10, "the aborted request's log line")
     assert record["finish_reasons"] == ["abort"]
     wait_for(lambda: len(_worker_spans(sink, "abort")) == spans_before + 1, 20, "a worker span finished as 'abort'")

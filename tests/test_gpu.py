@@ -4,7 +4,7 @@ scripts/gpu_check.sh runs these (with tests/test_triton_attention.py, compiled) 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 from metroserve import LLM, SamplingParams  # noqa: E402
 from tests.test_attention import random_layout  # noqa: E402
@@ -44,14 +44,20 @@ def test_long_context_decode_and_large_blocks():
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_cuda_graphs_give_the_eager_tokens(tiny_model_dir, prompts):
+def test_cuda_graphs_give_the_eager_tokens(tiny_model_dir, prompts, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12, 7, 2)]
     eager = LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True)
     graphs = LLM(str(tiny_model_dir), dtype="float32", max_num_seqs=32)
     assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs.graphs  # captured
     replays = []
-    replay = graphs.engine.runner.graphs.run
-    graphs.engine.runner.graphs.run = lambda *a: replays.append(1) or replay(*a)
+    runner_graphs = graphs.engine.runner.graphs
+    replay = runner_graphs.run
+
+    def counting_run(*args):
+        replays.append(1)
+        return replay(*args)
+
+    monkeypatch.setattr(runner_graphs, "run", counting_run)
     assert run(graphs, prompts, params) == run(eager, prompts, params)
     assert len(replays) >= 10
 

@@ -11,6 +11,8 @@ import sys
 import urllib.error
 import urllib.request
 
+import pytest
+
 from tests.stack import ROOT, free_port, wait_for
 
 HEAVY = ("torch", "matplotlib", "transformers.models")
@@ -45,6 +47,7 @@ for argv in (["gateway", "--help"], ["scheduler", "--help"], ["--help"], ["bench
     assert _heavy_modules(code) == []
 
 
+@pytest.mark.service
 def test_serving_gateway_is_light_and_tokenizes_as_transformers(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -8,6 +8,7 @@ import sys
 
 import openai
 import pytest
+from openai.types import CompletionUsage
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.stack import ROOT, ServeStack, wait_for
@@ -25,23 +26,27 @@ def stack(tiny_model_dir, tmp_path_factory):
         yield s
 
 
+@pytest.mark.service
 def test_scraped_counters_equal_the_known_workload(stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     model = client.models.list().data[0].id
     prompts = [PREFIX_TOKENS + [400 + i] * (i + 1) for i in range(4)]
-    usages = []
+    usages: list[CompletionUsage] = []
     # One at a time, so each later prompt finds the shared prefix cached: 48 hit tokens each.
     for prompt in prompts:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage is not None
         usages.append(r.usage)
     n2_prompt = PREFIX_TOKENS + [450, 451]
     r = client.completions.create(model=model, prompt=n2_prompt, max_tokens=MAX_TOKENS, n=2,
                                   extra_body={"ignore_eos": True})
+    assert r.usage is not None
     usages.append(r.usage)
     assert len(r.choices) == 2
 
     sent_prompt_tokens = sum(map(len, prompts)) + len(n2_prompt)
-    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    cached = sum((u.prompt_tokens_details.cached_tokens or 0) if u.prompt_tokens_details else 0 for u in usages)
     assert cached == 48 * 4  # the first prompt computes the prefix; the other four reuse it
     assert sum(u.prompt_tokens for u in usages) == sent_prompt_tokens
 
@@ -90,6 +95,7 @@ def test_scraped_counters_equal_the_known_workload(stack):
     stack.wait_idle()
 
 
+@pytest.mark.service
 def test_one_structured_log_line_per_finished_request(stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     model = client.models.list().data[0].id
@@ -110,6 +116,7 @@ def test_one_structured_log_line_per_finished_request(stack):
     assert sum(r.id in line for line in stack.log_tail(10**7).splitlines()) == 1  # one line, none per token
 
 
+@pytest.mark.service
 def test_spans_of_the_three_services_share_one_trace(tiny_model_dir):
     """Gateway, scheduler and worker in one process, exporting to an in-memory span exporter."""
     proc = subprocess.run([sys.executable, "-m", "tests.trace_probe", str(tiny_model_dir)], cwd=ROOT,
@@ -123,7 +130,8 @@ def test_spans_of_the_three_services_share_one_trace(tiny_model_dir):
                 "worker.decode": "metroserve.worker"}
     assert {n: by_name[n]["scope"] for n in expected if n in by_name} == expected
     assert len({s["trace_id"] for s in spans}) == 1, "every span belongs to the request's one trace"
-    gateway, scheduler, worker = by_name["POST /v1/completions"], by_name["scheduler.request"], by_name["worker.request"]
+    gateway, scheduler = by_name["POST /v1/completions"], by_name["scheduler.request"]
+    worker = by_name["worker.request"]
     assert gateway["parent"] is None
     assert scheduler["parent"] == gateway["span_id"]
     assert by_name["scheduler.queue"]["parent"] == scheduler["span_id"]
@@ -188,6 +196,7 @@ def test_engine_collector_reports_speculation_and_respects_disable_log_stats(tin
     assert "metroserve:num_requests_running" in names and "metroserve:generation_tokens_total" not in names
 
 
+@pytest.mark.service
 def test_serve_exports_one_trace_per_request_from_three_processes(tiny_model_dir, tmp_path):
     """The deployed path: --otlp-endpoint on serve reaches each process, and the context crosses
     the gateway -> scheduler metadata and the scheduler -> worker stream."""
@@ -207,7 +216,7 @@ def test_serve_exports_one_trace_per_request_from_three_processes(tiny_model_dir
                         ("metroserve-worker", "worker.decode")}
 
             def names_by_trace():
-                traces = {}
+                traces: dict[str, set[tuple[str, str]]] = {}
                 for service, name, trace in sink.spans:
                     traces.setdefault(trace, set()).add((service, name))
                 return traces

@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from typing import cast
 
 import grpc
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.stack import ROOT, ServeStack, free_port, wait_for
+
+pytestmark = pytest.mark.service
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
            "Three primary colors are"]
@@ -20,6 +24,11 @@ CHATS = [
     [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name a fruit."}],
 ]
 MAX_TOKENS = 24
+
+
+def _typed(chat: list[dict[str, str]]) -> list[ChatCompletionMessageParam]:
+    """A CHATS entry as the openai client types messages (TypedDicts of this same shape)."""
+    return cast(list[ChatCompletionMessageParam], chat)
 
 
 @pytest.fixture(scope="module")
@@ -52,31 +61,34 @@ def test_sync_completions_batch_and_stream(stack, reference, model_id):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     resp = client.completions.create(model=model_id, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.text for r in reference["completions"]]
+    assert resp.usage is not None
     assert resp.usage.completion_tokens == sum(len(r.token_ids) for r in reference["completions"])
 
     for prompt, ref in zip(PROMPTS, reference["completions"]):
         chunks = list(client.completions.create(model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
-        assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == len(ref.token_ids)
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
 
 
 def test_sync_chat_and_stream(stack, reference, model_id):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     for messages, ref in zip(CHATS, reference["chats"]):
-        resp = client.chat.completions.create(model=model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        resp = client.chat.completions.create(model=model_id, messages=_typed(messages), max_tokens=MAX_TOKENS,
+                                              temperature=0)
         assert resp.choices[0].message.content == ref.text
         assert resp.choices[0].message.role == "assistant"
-        assert resp.usage.completion_tokens == len(ref.token_ids)
+        assert resp.usage is not None and resp.usage.completion_tokens == len(ref.token_ids)
 
-        stream = client.chat.completions.create(model=model_id, messages=messages, max_tokens=MAX_TOKENS,
+        stream = client.chat.completions.create(model=model_id, messages=_typed(messages), max_tokens=MAX_TOKENS,
                                                 temperature=0, stream=True, stream_options={"include_usage": True})
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
         usage = chunks[-1].usage
-        assert usage.completion_tokens == len(ref.token_ids) and usage.prompt_tokens > 0
+        assert usage is not None and usage.completion_tokens == len(ref.token_ids) and usage.prompt_tokens > 0
 
 
 def test_async_clients_concurrently(stack, reference, model_id):
@@ -114,13 +126,13 @@ def test_stop_string_and_n(stack, reference, model_id):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     stop = reference["stop"]
     for stream in (False, True):
-        resp = client.completions.create(model=model_id, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
-                                         stop=[stop], stream=stream)
-        if stream:
-            chunks = [c for c in resp if c.choices]
+        reply = client.completions.create(model=model_id, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                                          stop=[stop], stream=stream)
+        if isinstance(reply, openai.Stream):
+            chunks = [c for c in reply if c.choices]
             text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
         else:
-            text, finish = resp.choices[0].text, resp.choices[0].finish_reason
+            text, finish = reply.choices[0].text, reply.choices[0].finish_reason
         assert text == reference["stopped"].text and stop not in text
         assert finish == "stop"
     resp = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=3)
@@ -130,17 +142,21 @@ def test_stop_string_and_n(stack, reference, model_id):
 
 def test_logprobs_shapes(stack, model_id):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
-    chat = client.chat.completions.create(model=model_id, messages=CHATS[0], max_tokens=6, temperature=0,
+    chat = client.chat.completions.create(model=model_id, messages=_typed(CHATS[0]), max_tokens=6, temperature=0,
                                           logprobs=True, top_logprobs=2)
-    entries = chat.choices[0].logprobs.content
-    assert len(entries) == chat.usage.completion_tokens
+    chat_logprobs, usage = chat.choices[0].logprobs, chat.usage
+    assert chat_logprobs is not None and chat_logprobs.content is not None and usage is not None
+    entries = chat_logprobs.content
+    assert len(entries) == usage.completion_tokens
     for e in entries:
         assert len(e.top_logprobs) == 2
         assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
         assert e.logprob == e.top_logprobs[0].logprob  # greedy: the chosen token is the most likely
     comp = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
-    lp = comp.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+    lp, usage = comp.choices[0].logprobs, comp.usage
+    assert lp is not None and usage is not None
+    assert lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == usage.completion_tokens
     assert all(len(t) == 3 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == comp.choices[0].text
 
@@ -150,8 +166,10 @@ def test_repeated_prompt_reports_cached_tokens(stack, model_id):
     long_prompt = "You are a helpful assistant who answers questions about geography. " * 12
     first = client.completions.create(model=model_id, prompt=long_prompt + "Q1", max_tokens=2, temperature=0)
     second = client.completions.create(model=model_id, prompt=long_prompt + "Q2", max_tokens=2, temperature=0)
-    assert first.usage.prompt_tokens > 100
-    assert second.usage.prompt_tokens_details.cached_tokens >= 96  # the shared head, in whole blocks
+    assert first.usage is not None and first.usage.prompt_tokens > 100
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= 96  # the shared head, in whole blocks
 
 
 def test_second_gateway_with_api_key_rest_and_grpc(stack, smollm2_dir, reference, model_id, tmp_path):
@@ -161,11 +179,12 @@ def test_second_gateway_with_api_key_rest_and_grpc(stack, smollm2_dir, reference
     from metroserve.rpc import generation_pb2, generation_pb2_grpc
 
     port, grpc_port = free_port(), free_port()
-    log = open(tmp_path / "gateway.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", "gateway", "--scheduler", stack.scheduler_address,
-                             "--port", str(port), "--grpc-port", str(grpc_port), "--model", str(smollm2_dir),
-                             "--served-model-name", model_id, "--api-key", "sekret"], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    with open(tmp_path / "gateway.log", "wb") as log:  # the gateway writes through its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", "gateway",
+                                 "--scheduler", stack.scheduler_address, "--port", str(port),
+                                 "--grpc-port", str(grpc_port), "--model", str(smollm2_dir),
+                                 "--served-model-name", model_id, "--api-key", "sekret"], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}/v1"
 

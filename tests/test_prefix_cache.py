@@ -35,7 +35,8 @@ def test_smollm2_shared_system_prompt(smollm2_dir):
     assert common >= 512
     first, second = (llm.generate([p], params, use_tqdm=False)[0] for p in prompts)
     assert second.num_cached_tokens == common // 16 * 16
-    fresh = LLM(str(smollm2_dir), enable_prefix_caching=False, kv_cache_memory="256MiB").generate([prompts[1]], params, use_tqdm=False)[0]
+    uncached = LLM(str(smollm2_dir), enable_prefix_caching=False, kv_cache_memory="256MiB")
+    fresh = uncached.generate([prompts[1]], params, use_tqdm=False)[0]
     assert fresh.outputs[0].token_ids == second.outputs[0].token_ids
     assert tok.decode(second.outputs[0].token_ids)
     assert_all_blocks_free(llm)

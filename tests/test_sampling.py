@@ -102,7 +102,8 @@ def test_stop_strings_cut_text(llm, prompts):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"need a visible stop string, got {stop!r} from {text!r}"
     cut = text[: text.index(stop)]
-    out = gen(llm, [prompts[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    out = gen(llm, [prompts[2]], params)[0].outputs[0]
     assert out.text == cut and out.finish_reason == "stop" and out.stop_reason == stop
     assert len(out.token_ids) < 30
     kept = gen(llm, [prompts[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop,

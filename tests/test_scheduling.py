@@ -55,7 +55,8 @@ def test_forks_count_against_max_num_seqs(tiny_model_dir):
 
 
 def test_preempted_request_rejoins_queue_in_priority_order(tiny_model_dir):
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=10, scheduling_policy="priority")
+    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=10,
+                       scheduling_policy="priority")
     long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     engine.add_request([5] * 15, long, request_id="high1", priority=0)
     engine.add_request([6] * 15, long, request_id="low", priority=5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from typing import Any
 
 import grpc
 import openai
@@ -13,6 +14,8 @@ import pytest
 
 from metroserve.rpc import generation_pb2, generation_pb2_grpc
 from tests.stack import ServeStack
+
+pytestmark = pytest.mark.service
 
 VOCAB = 512  # the tiny model's vocabulary
 CONTEXT = 2048  # the tiny model's max_position_embeddings
@@ -45,8 +48,9 @@ def baseline(stack) -> dict:
     return body
 
 
-def post(stack: ServeStack, path: str, body, method: str = "POST") -> tuple[int, str, dict | None]:
-    """Raw HTTP: dict bodies are JSON-encoded, bytes are sent as is. Returns (status, content type, JSON or None)."""
+def post(stack: ServeStack, path: str, body, method: str = "POST") -> tuple[int, str, Any]:
+    """Raw HTTP: dict bodies are JSON-encoded, bytes are sent as is. Returns (status, content type, JSON);
+    a reply that is not JSON comes back as {"_raw": its first 500 bytes}."""
     conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=60)
     try:
         data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
@@ -117,7 +121,8 @@ CHAT_ONLY = {
     "chat-text-too-long": {"messages": [{"role": "user", "content": LONG_TEXT}]},
     "max_completion_tokens-negative": {"max_completion_tokens": -1},
     "message-content-int": {"messages": [{"role": "user", "content": 5}]},
-    "message-image-part": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    "message-image-part": {"messages": [{"role": "user",
+                                         "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     "top_logprobs-without-logprobs": {"top_logprobs": 2},
 }
 
@@ -330,7 +335,7 @@ def test_stack_still_serves_correctly_after_bad_input(stack, baseline):
 
 # -- known bug: integers outside the wire types' range ----------------------------------------------------
 
-OUT_OF_RANGE = {
+OUT_OF_RANGE: dict[str, dict[str, Any]] = {
     "max_tokens": {"max_tokens": 2**31},
     "seed": {"seed": 2**64},
     "priority": {"priority": 2**31},

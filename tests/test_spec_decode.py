@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -95,7 +96,8 @@ def test_smollm2_ngram_greedy_identical(smollm2_dir, smollm2_ref):
     import textwrap
 
     code = inspect.getsource(textwrap.indent)
-    msgs = [{"role": "user", "content": f"```python\n{code}```\n\nRename `prefix` to `pad` and output the whole function."}]
+    task = "Rename `prefix` to `pad` and output the whole function."
+    msgs = [{"role": "user", "content": f"```python\n{code}```\n\n{task}"}]
     params = SamplingParams(temperature=0, max_tokens=64)
     plain = LLM(str(smollm2_dir), max_num_batched_tokens=128)
     spec = LLM(str(smollm2_dir), max_num_batched_tokens=128,
@@ -311,7 +313,7 @@ def test_cli_flag_reaches_worker_processes():
 
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
     config = EngineConfig.from_cli_args(parser.parse_args(["--speculative-config", json.dumps(spec)]))
     assert SpeculativeConfig.parse(config.speculative_config) == SpeculativeConfig(**spec)
     # serve hands the engine flags to each worker process as argv
@@ -319,6 +321,7 @@ def test_cli_flag_reaches_worker_processes():
     assert SpeculativeConfig.parse(again.speculative_config) == SpeculativeConfig(**spec)
 
 
+@pytest.mark.service
 def test_serve_with_speculation_gives_plain_text(tiny_model_dir, tmp_path):
     """--speculative-config reaches the worker processes; text equals offline plain decoding either way."""
     from openai import OpenAI
@@ -332,7 +335,8 @@ def test_serve_with_speculation_gives_plain_text(tiny_model_dir, tmp_path):
                     log_path=tmp_path / "serve.log") as stack:
         client = OpenAI(base_url=stack.base_url, api_key="none")
         for extra in ({"ignore_eos": True}, {"ignore_eos": True, "speculative": False}):
-            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, extra_body=extra)
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0,
+                                            extra_body=extra)
             assert out.choices[0].text == expected
         stack.wait_idle()
 

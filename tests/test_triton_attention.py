@@ -57,6 +57,11 @@ def run_both(layout, num_heads, num_kv_heads, head_dim, bs, num_blocks, dtype, d
     return expected, got, torch_cache, triton_cache
 
 
+def _naming(query_lens: list[int], context_lens: list[int]):
+    """assert_close's message callback: the batch's shape, then the mismatch."""
+    return lambda message: f"query_lens={query_lens} context_lens={context_lens}: {message}"
+
+
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("split_kv", [False, True])
@@ -71,8 +76,7 @@ def test_triton_matches_torch_backend(group, head_dim, split_kv):
             layout, group * num_kv_heads, num_kv_heads, head_dim, bs, num_blocks, torch.float32, DEVICE, rng,
             split_kv)
         assert torch.equal(triton_cache.k, torch_cache.k) and torch.equal(triton_cache.v, torch_cache.v)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4,
-                                   msg=lambda m: f"query_lens={query_lens} context_lens={context_lens}: {m}")
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=_naming(query_lens, context_lens))
 
 
 @pytest.mark.parametrize("bs", [8, 32, 128])  # smaller than, equal to and larger than a key tile
@@ -135,7 +139,7 @@ def test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_
     check_all(tiny_ref, prompts + second_wave, outputs["triton"])
 
 
-def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts):
+def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts, monkeypatch):
     """The CUDA-graph path without a GPU: decode steps padded to the captured sizes, run eagerly."""
     from metroserve.worker.cuda_graphs import CudaGraphRunner
 
@@ -153,7 +157,7 @@ def test_padded_decode_steps_give_the_same_tokens(tiny_model_dir, prompts):
         padded_sizes.append(next(s for s in graphs.sizes if s >= len(layout.query_lens)))
         return replay(input_ids, positions, layout)
 
-    graphs.run = counting_run
+    monkeypatch.setattr(graphs, "run", counting_run)
     engine.runner.graphs = graphs
     assert run(llm, prompts, params) == expected
     # Six decodes padded to 8, then fewer as requests finish: 5 and 3 are padded too.

@@ -13,7 +13,7 @@ import time
 
 import aiohttp
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -66,13 +66,16 @@ def main() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     asyncio.run(probe(sys.argv[1], exporter))
-    spans = [{"name": s.name, "scope": s.instrumentation_scope.name, "trace_id": format(s.context.trace_id, "032x"),
-              "span_id": format(s.context.span_id, "016x"),
-              "parent": format(s.parent.span_id, "016x") if s.parent is not None else None,
-              "start": s.start_time, "end": s.end_time,
-              "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.attributes.items()}}
-             for s in exporter.get_finished_spans()]
-    print(json.dumps(spans))
+    print(json.dumps([_as_json(s) for s in exporter.get_finished_spans()]))
+
+
+def _as_json(s: ReadableSpan) -> dict:
+    assert s.instrumentation_scope is not None and s.context is not None, "every SDK span has both"
+    return {"name": s.name, "scope": s.instrumentation_scope.name, "trace_id": format(s.context.trace_id, "032x"),
+            "span_id": format(s.context.span_id, "016x"),
+            "parent": format(s.parent.span_id, "016x") if s.parent is not None else None,
+            "start": s.start_time, "end": s.end_time,
+            "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (s.attributes or {}).items()}}
 
 
 if __name__ == "__main__":

@@ -16,21 +16,21 @@ the step loop as typed commands (AddCommand, AbortCommand).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from metroserve.common.block_hash import BlockHash
 from metroserve.common.request_limits import RequestLimits
+from metroserve.common.sampling_params import SamplingParams
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.engine import LLMEngine
 from metroserve.worker.metrics import EngineStats
 from metroserve.worker.outputs import RequestOutput, make_request_output
-from metroserve.common.sampling_params import SamplingParams
 from metroserve.worker.sequence import Request
 
 logger = logging.getLogger(__name__)
@@ -116,12 +116,12 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.engine.tokenize(prompt)
         self.engine.validate_request(token_ids, params)
-        self._ensure_loop()
+        wakeup = self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (queue, delta)
         self._pending.append(AddCommand(request_id, token_ids, params, priority, cache_salt,
                                         prompt=prompt if isinstance(prompt, str) else None))
-        self._wakeup.set()
+        wakeup.set()
         finished = False
         try:
             while True:
@@ -141,19 +141,19 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
-               cache_salt: str | None = None, resume_token_ids: list[int] = ()) -> None:
+               cache_salt: str | None = None, resume_token_ids: Sequence[int] = ()) -> None:
         """Queue a request whose outputs go to the sink. The caller (the worker service) passes only
         requests the scheduler admitted against this worker's limits: they are not checked again."""
         if self._error is not None:
             raise EngineDeadError(f"engine step loop failed: {self._error!r}")
         assert request_id not in self._queues, f"request id {request_id!r} is already in use"
-        self._ensure_loop()
+        wakeup = self._ensure_loop()
         self._queues[request_id] = (None, True)
         self._pending.append(AddCommand(request_id, prompt_token_ids, params, priority, cache_salt,
                                         list(resume_token_ids)))
-        self._wakeup.set()
+        wakeup.set()
 
-    def abort(self, request_id: str, finish_reasons: list[str] = ()) -> None:
+    def abort(self, request_id: str, finish_reasons: Sequence[str] = ()) -> None:
         """End a request: its blocks are freed and its stream ends before the next step runs.
         finish_reasons: per sequence ("stop" when the gateway found a stop string); default "abort"."""
         if request_id in self._queues:
@@ -172,10 +172,12 @@ class AsyncEngine:
         """Every block the prefix cache holds now (a worker's first report after connecting)."""
         return self.engine.cached_block_hashes()
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
+    def _ensure_loop(self) -> asyncio.Event:
+        """The step loop's wake-up event; starts the loop when none is running."""
+        if self._wakeup is None or self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(self._wakeup))
+        return self._wakeup
 
     def _apply_pending(self) -> list[Request]:
         """Apply queued commands in order; returns the submitted requests they ended."""
@@ -199,6 +201,7 @@ class AsyncEngine:
             except Exception as e:  # e.g. a request id reused meanwhile: fail this stream only
                 queue = self._queues.pop(command.request_id)[0]
                 if queue is None:
+                    assert self._sink is not None, "submit()ted requests report to the sink"
                     self._sink.rejected(command.request_id, e)
                 else:
                     queue.put_nowait(e)
@@ -206,7 +209,7 @@ class AsyncEngine:
             request.prompt = command.prompt
         return ended
 
-    def _publish(self, requests: list[Request], ended: list[Request] = ()) -> Awaitable[None] | None:
+    def _publish(self, requests: list[Request], ended: Sequence[Request] = ()) -> Awaitable[None] | None:
         batched = [make_request_output(request, delta=True) for request in ended]
         for request in requests:
             entry = self._queues.get(request.request_id)
@@ -225,7 +228,7 @@ class AsyncEngine:
             return self._sink.step_done(StepResult(batched, stored, removed, self.engine.stats()))
         return None
 
-    async def _run(self) -> None:
+    async def _run(self, wakeup: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -235,8 +238,8 @@ class AsyncEngine:
                     if flushed is not None:
                         await flushed
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                    wakeup.clear()
+                    await wakeup.wait()
                     continue
                 if self._step_inline:
                     touched = self.engine.step()
@@ -267,8 +270,6 @@ class AsyncEngine:
         """Stop the step loop; open streams end with EngineDeadError."""
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-            except asyncio.CancelledError:
-                pass
         self._executor.shutdown(wait=True)

@@ -10,6 +10,7 @@ survives longest. Blocks that hold nothing reusable go to the front and are take
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from metroserve.common.block_hash import ROOT_HASH, BlockHash, hash_block
@@ -105,7 +106,7 @@ class BlockManager:
 
     # -- allocation --------------------------------------------------------------------------
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
         """Give seq the blocks for its cached prefix plus num_new_tokens more; False if they don't fit.
 
         A write into a block that a fork shares is redirected to a private copy; the (src, dst)

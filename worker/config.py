@@ -80,8 +80,8 @@ class EngineConfig:
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences running at once")
         g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="longest prompt + output (default: the model's)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
-                       help="reuse KV blocks of shared prompt prefixes")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
         g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "torch", "triton"],
                        help="paged attention implementation (auto: triton on CUDA, compiled CPU kernels on CPU, "
@@ -112,5 +112,5 @@ class EngineConfig:
         return argv
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

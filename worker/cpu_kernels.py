@@ -136,9 +136,10 @@ def load_or_build(build: KernelBuild, compile_fn: Callable[[KernelBuild], Module
     with _exclusive(build.lock):
         module = _load_built(build)
         built = module is None
-        if built:
+        if module is None:
             logger.info(BUILDING)
             module = (compile_fn or _compile)(build)
+            assert module.__file__ is not None  # an extension module is loaded from its library
             record = {"library": str(Path(module.__file__).resolve()), **build.inputs}
             partial = build.marker.with_suffix(".tmp")  # renamed into place: never half written
             partial.write_text(json.dumps(record, indent=1) + "\n")

@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from metroserve.worker.attention import BatchLayout
+from metroserve.worker.attention.triton import TritonAttention, TritonMetadata
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model import LlamaForCausalLM
-from metroserve.worker.attention.triton import TritonAttention, TritonMetadata
 
 # 1, 2, 4, then steps of 8 up to 32 and of 16 beyond, as vLLM does: a padded step wastes little.
 CAPTURE_SIZES = [1, 2, 4] + list(range(8, 32, 8)) + list(range(32, 513, 16))

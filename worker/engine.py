@@ -10,29 +10,30 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from metroserve.common.block_hash import BlockHash
+from metroserve.common.detokenizer import IncrementalDetokenizer
+from metroserve.common.request_limits import RequestLimits, check_request
+from metroserve.common.sampling_params import SamplingParams
+from metroserve.common.stop_rules import append_token
+from metroserve.common.tokenizer import load_tokenizer
 from metroserve.worker.attention import make_attention_backend
 from metroserve.worker.batcher import Batcher
 from metroserve.worker.block_manager import BlockManager
 from metroserve.worker.config import EngineConfig, parse_size
 from metroserve.worker.cpu_allocator import keep_freed_memory
-from metroserve.common.block_hash import BlockHash
-from metroserve.common.detokenizer import IncrementalDetokenizer
 from metroserve.worker.gpu_memory import kv_budget_bytes, profile_step_peak
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.metrics import EngineMetrics, EngineStats
 from metroserve.worker.model_files import resolve_model_dir
-from metroserve.common.tokenizer import load_tokenizer
 from metroserve.worker.model_loader import load_model
 from metroserve.worker.model_runner import ModelRunner
-from metroserve.common.request_limits import RequestLimits, check_request
 from metroserve.worker.sampler import Sampler
-from metroserve.common.sampling_params import SamplingParams
-from metroserve.common.stop_rules import append_token
 from metroserve.worker.sequence import Request, Sequence, SequenceStatus
 from metroserve.worker.spec_decode.config import SpeculativeConfig
 from metroserve.worker.spec_decode.draft_proposer import DraftModelProposer
@@ -49,7 +50,8 @@ class LLMEngine:
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph captures use the current device
-        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        dtype_name = (config.dtype if config.dtype != "auto"
+                      else "bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
         self.model_dir = resolve_model_dir(config.model)
         if self.device.type == "cpu":
@@ -70,6 +72,7 @@ class LLMEngine:
             draft_dtype = _DTYPES[spec_config.draft_dtype] if spec_config.draft_dtype else self.dtype
             # The compiled CPU kernels are float32 only: a draft in another dtype picks its own backend.
             draft_backend = config.attention_backend if config.attention_backend in ("torch", "triton") else "auto"
+            assert spec_config.model is not None, "SpeculativeConfig requires a model for draft_model"
             self.drafter = DraftModelProposer(spec_config.model, self.tokenizer.get_vocab(), draft_dtype, self.device,
                                               draft_backend)
 
@@ -80,7 +83,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
                              "or --gpu-memory-utilization")
-        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype,
+                                self.device)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, record_block_events)
         self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                config.scheduling_policy)
@@ -90,8 +94,8 @@ class LLMEngine:
         graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             # Imported here: Triton is only needed on CUDA (or in its interpreter, for tests).
-            from metroserve.worker.cuda_graphs import CudaGraphRunner
             from metroserve.worker.attention.triton import TritonAttention
+            from metroserve.worker.cuda_graphs import CudaGraphRunner
 
             if isinstance(self.attention, TritonAttention):
                 graphs = CudaGraphRunner(self.model, self.kv_cache, self.attention, config.max_num_seqs,
@@ -152,7 +156,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    resume_token_ids: list[int] = (), validated: bool = False) -> Request:
+                    resume_token_ids: Seq[int] = (), validated: bool = False) -> Request:
         """Queue a request. resume_token_ids: output it already produced elsewhere (a migrated request);
         they count as output (max_tokens, penalties) but are not streamed again. validated: the
         caller already checked it against these limits (LLM.generate, AsyncEngine, or the
@@ -178,7 +182,7 @@ class LLMEngine:
         self.batcher.add(request.seqs[0])
         return request
 
-    def abort_request(self, request_id: str, finish_reasons: list[str] = ()) -> Request | None:
+    def abort_request(self, request_id: str, finish_reasons: Seq[str] = ()) -> Request | None:
         """Stop a request now and free its blocks; returns it, or None if unknown. finish_reasons:
         per sequence index ("stop": the gateway found a stop string); missing or empty: "abort"."""
         request = self.requests.pop(request_id, None)
@@ -272,6 +276,7 @@ class LLMEngine:
 
     def _append_verified(self, seq: Sequence, tokens: list[int]) -> None:
         """A speculating sequence's accepted drafts plus the target's own next token."""
+        assert self.speculator is not None, "only the speculator gives a sequence lookahead tokens"
         self.speculator.record(seq, len(seq.spec_token_ids), len(tokens) - 1)
         # K/V are valid for the previous last token and the accepted drafts, not for rejected ones.
         seq.num_computed_tokens += len(tokens)
@@ -300,6 +305,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)
         if logprobs is not None:
+            assert seq.logprobs is not None, "the sampler returns logprobs only to requests that ask for them"
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         finish = append_token(token, seq.num_output_tokens, seq.request.params, seq.detokenizer,

@@ -13,6 +13,7 @@ bucketing call per step; everything per request happens once, when it finishes.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,7 +36,7 @@ _TOKENS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 5
 class Histogram:
     """Cumulative-bucket histogram that takes a step's observations in one numpy call."""
 
-    def __init__(self, bounds: list[float]):
+    def __init__(self, bounds: Sequence[float]):
         self.bounds = np.asarray(bounds, dtype=np.float64)
         self.counts = np.zeros(len(bounds) + 1, dtype=np.int64)  # the last bucket is +Inf
         self.sum = 0.0
@@ -86,14 +87,15 @@ class EngineMetrics:
         self.ttft.observe(first_token_latencies)
         self.itl.observe(token_gaps)
 
-    def record_finished(self, request: "Request", now: float) -> None:
+    def record_finished(self, request: Request, now: float) -> None:
         """Once per finished or aborted request."""
         m = request.metrics
         for seq in request.seqs:
             self.finished[seq.finish_reason or "abort"] += 1
         self.e2e.observe([now - m.arrival_time])
         self.request_prompt_tokens.observe([len(request.prompt_token_ids)])
-        self.request_generation_tokens.observe([sum(s.num_output_tokens for s in request.seqs) - request.num_resumed_tokens])
+        generated = sum(s.num_output_tokens for s in request.seqs) - request.num_resumed_tokens
+        self.request_generation_tokens.observe([generated])
         if m.first_scheduled_time is not None:
             self.queue_time.observe([m.first_scheduled_time - m.arrival_time])
             if m.first_token_time is not None:

@@ -38,11 +38,12 @@ class ModelConfig:
     eos_token_ids: list[int]
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
         if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-            raise ValueError(f"{path}: only Llama-family models are supported, got model_type={raw.get('model_type')!r}")
+            raise ValueError(f"{path}: only Llama-family models are supported, "
+                             f"got model_type={raw.get('model_type')!r}")
         # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
@@ -199,6 +200,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    inv_freq: torch.Tensor  # a buffer (register_buffer): computed from the config, not loaded
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -218,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(i, x, residual, cos, sin, attn, kv_cache, metadata)
+        assert residual is not None, "a model has at least one layer"
         return residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -272,6 +276,7 @@ class LlamaForCausalLM(nn.Module):
         if parts[0] == "layers" and len(parts) == 5:
             # layers.N.{self_attn,mlp}.X.weight: our layers have no submodule level.
             layer = self.layers[int(parts[1])]
+            assert isinstance(layer, DecoderLayer)
             if parts[3] in self._FUSED:
                 fused, shard = self._FUSED[parts[3]]
                 sizes = ([layer.q_size, layer.kv_size, layer.kv_size] if fused == "qkv_proj"
@@ -288,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_loads(self) -> set[str]:
         """Every name load_hf_tensor must have filled for the model to be complete."""
-        names = set()
+        names: set[str] = set()
         for name, _ in self.named_parameters():
             if name.endswith("qkv_proj.weight"):
                 names.update(f"{name}[{i}]" for i in range(3))

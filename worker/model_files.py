@@ -110,7 +110,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tensors = _hf_tensors(reader, gguf_path, config)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", config)
-    token_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config}
+    token_ids: dict[str, Any] = {key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config}
     _write_json(out_dir / "generation_config.json", token_ids)
     _write_tokenizer(reader, gguf_path, out_dir)
 

@@ -35,8 +35,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
             handles.append((f, safe_open(str(f), framework="pt", device="cpu")))
         total = sum(len(list(h.keys())) for _, h in handles)
         with tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor", leave=False) as bar:
-            for f, handle in handles:
-                for name in handle.keys():
+            for _, handle in handles:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
                     filled = model.load_hf_tensor(name, handle.get_tensor(name), params)
                     if filled is not None:
                         loaded.add(filled)

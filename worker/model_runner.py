@@ -35,7 +35,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, attention: AttentionBackend, sampler: Sampler,
-                 device: torch.device, drafter: DraftModelProposer | None = None, graphs: CudaGraphRunner | None = None):
+                 device: torch.device, drafter: DraftModelProposer | None = None,
+                 graphs: CudaGraphRunner | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
@@ -52,7 +53,7 @@ class ModelRunner:
         token's, or, for a sequence with drafts, all of its tokens' (the drafts are verified)."""
         self.kv_cache.copy_blocks(batch.blocks_to_copy)
         if self.drafter is not None:
-            self.drafter.kv_cache.copy_blocks(batch.blocks_to_copy)
+            self.drafter.copy_blocks(batch.blocks_to_copy)
             lookahead = [s for s in batch.seqs if s.num_lookahead_tokens]
             if lookahead:
                 self.drafter.propose(lookahead)

@@ -68,7 +68,7 @@ class Sampler:
         for i, s in enumerate(seqs):
             p = s.request.params
             if s.num_output_tokens < p.min_tokens:
-                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                banned = (p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_token_ids)
                 logits[i, banned] = float("-inf")
 
     @staticmethod
@@ -77,7 +77,8 @@ class Sampler:
             bias = s.request.params.logit_bias
             if bias:
                 ids = torch.tensor(list(bias.keys()), device=logits.device)
-                logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype))
+                values = torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
+                logits[i].index_add_(0, ids, values)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -119,7 +120,8 @@ class Sampler:
             # top-p measures mass within what top-k kept, as HF and vLLM do.
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=device)[None, :]
-            sorted_logits = sorted_logits.masked_fill(ranks >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
+            beyond_k = ranks >= torch.tensor(top_k, device=device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(beyond_k, float("-inf"))
             sorted_probs = sorted_logits.softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop = mass_before >= torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
@@ -137,23 +139,25 @@ class Sampler:
         for i, s in enumerate(seqs):
             if s.request.params.seed is not None:
                 if s.generator is None:
-                    s.generator = torch.Generator(device=self.device).manual_seed(sample_seed(s.request.params.seed, s.index))
+                    seed = sample_seed(s.request.params.seed, s.index)
+                    s.generator = torch.Generator(device=self.device).manual_seed(seed)
                 noise[i].exponential_(generator=s.generator)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:
         out: list[dict[int, float] | None] = [None] * len(seqs)
-        rows = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
-        if not rows:
+        # row -> how many top alternatives it asked for
+        wanted = {i: n for i, s in enumerate(seqs) if (n := s.request.params.logprobs) is not None}
+        if not wanted:
             return out
+        rows = list(wanted)
         lp = torch.log_softmax(raw[rows], dim=-1)
-        max_n = max(seqs[i].request.params.logprobs for i in rows)
-        top_vals, top_ids = lp.topk(max(max_n, 1), dim=-1)
+        top = lp.topk(max(max(wanted.values()), 1), dim=-1)
         chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None])[:, 0].tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
         for j, i in enumerate(rows):
-            n = seqs[i].request.params.logprobs
+            n = wanted[i]
             entry = {tokens[i]: chosen[j]}
             for t, v in zip(top_ids[j][:n], top_vals[j][:n]):
                 entry.setdefault(t, v)

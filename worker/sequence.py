@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metroserve.common.block_hash import BlockHash, extra_keys_for
+from metroserve.common.detokenizer import IncrementalDetokenizer
 from metroserve.common.sampling_params import SamplingParams
 
 
@@ -36,7 +37,7 @@ _seq_ids = itertools.count()
 
 
 class Sequence:
-    def __init__(self, request: "Request", index: int, token_ids: list[int], num_prompt_tokens: int):
+    def __init__(self, request: Request, index: int, token_ids: list[int], num_prompt_tokens: int):
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index  # which of the request's n samples
@@ -52,7 +53,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
         self.generator: torch.Generator | None = None  # created by the sampler for seeded requests
-        self.detokenizer = None  # set by the engine when it returns text
+        self.detokenizer: IncrementalDetokenizer | None = None  # set by the engine when it returns text
         self.num_emitted_tokens = 0  # tokens already handed to a streaming consumer
         self.num_emitted_chars = 0
         self.last_token_time: float | None = None  # for the inter-token latency metric
@@ -93,7 +94,7 @@ class Sequence:
         if self.draft_probs is not None:
             self.draft_probs = self.draft_probs[:num_tokens]
 
-    def fork(self, index: int) -> "Sequence":
+    def fork(self, index: int) -> Sequence:
         """A sibling sample sharing this sequence's tokens; its blocks are shared by the block manager."""
         child = Sequence(self.request, index, list(self.token_ids), self.num_prompt_tokens)
         child.num_computed_tokens = self.num_computed_tokens

@@ -20,6 +20,7 @@ finishes, from the engine's timestamps, under the scheduler span named in its As
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -33,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 
 from metroserve.rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
@@ -135,25 +137,26 @@ class WorkerService:
             self._sent.clear()
             try:
                 await asyncio.wait_for(self._sent.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     def _trace_output(self, out: RequestOutput) -> None:
         """Count a traced placement's tokens; when it ends, record its spans (times from the engine)."""
         traced = self._traced.get(out.request_id)
-        if traced is None:
+        if traced is None or self.tracer is None:  # placements are traced only while tracing is on
             return
         traced.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         if not out.finished:
             return
         del self._traced[out.request_id]
         m, end = out.metrics, time.time()
-        attributes = {"metroserve.worker": self.options.worker_id, "gen_ai.request.model": self.model_name,
-                      "metroserve.placement_id": out.request_id,
-                      "gen_ai.usage.input_tokens": len(out.prompt_token_ids),
-                      "gen_ai.usage.output_tokens": traced.completion_tokens,
-                      "metroserve.cached_tokens": out.num_cached_tokens,
-                      "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in out.outputs]}
+        attributes: dict[str, AttributeValue] = {
+            "metroserve.worker": self.options.worker_id, "gen_ai.request.model": self.model_name,
+            "metroserve.placement_id": out.request_id,
+            "gen_ai.usage.input_tokens": len(out.prompt_token_ids),
+            "gen_ai.usage.output_tokens": traced.completion_tokens,
+            "metroserve.cached_tokens": out.num_cached_tokens,
+            "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in out.outputs]}
         span = self.tracer.start_span("worker.request", context=traced.parent, start_time=ns(m.arrival_time),
                                       attributes=attributes)
         child = trace.set_span_in_context(span)
@@ -203,10 +206,8 @@ class WorkerService:
         self._outputs, self._rejected, self._removed, self._handed_back = [], [], [], []
         self._outbox.set()
         while True:
-            try:
+            with contextlib.suppress(TimeoutError):  # idle: the load report doubles as the heartbeat
                 await asyncio.wait_for(self._outbox.wait(), self._heartbeat_s)
-            except asyncio.TimeoutError:
-                pass  # idle: the load report doubles as the heartbeat
             self._outbox.clear()
             version = self._queued_version
             msg = cluster_pb2.WorkerMessage(outputs=self._outputs, rejected=self._rejected, load=self._load(),
@@ -282,7 +283,7 @@ class WorkerService:
                 self._idle.clear()
                 try:
                     await asyncio.wait_for(self._idle.wait(), self.options.drain_timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self._handed_back = sorted(self.active)
                     for pid in self._handed_back:
                         self.engine.abort(pid)

@@ -30,22 +30,24 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
         raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
     if n >= limits.max_model_len:
-        raise ParamError("prompt", f"prompt has {n} tokens but the maximum context length is {limits.max_model_len} "
-                         "(prompt plus at least one generated token)")
+        raise ParamError("prompt", f"prompt has {n} tokens but the maximum context length is "
+                         f"{limits.max_model_len} (prompt plus at least one generated token)")
     if params.max_tokens is not None and n + params.max_tokens > limits.max_model_len:
         raise ParamError("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                          f"context length {limits.max_model_len}")
-    bad_ids = [t for t in list(params.stop_token_ids) + list(params.logit_bias) if t >= vocab]
+    stop_ids = params.stop_token_ids or []  # SamplingParams normalises None to empty
+    bad_ids = [t for t in stop_ids + list(params.logit_bias or {}) if t >= vocab]
     if bad_ids:
-        field = "stop_token_ids" if any(t >= vocab for t in params.stop_token_ids) else "logit_bias"
-        raise ParamError(field, f"token ids {bad_ids[:5]} in stop_token_ids/logit_bias are outside the vocabulary (size {vocab})")
+        field = "stop_token_ids" if any(t >= vocab for t in stop_ids) else "logit_bias"
+        raise ParamError(field, f"token ids {bad_ids[:5]} in stop_token_ids/logit_bias are outside the vocabulary "
+                         f"(size {vocab})")
     if params.n > limits.max_num_seqs:
         raise ParamError("n", f"n={params.n} exceeds max_num_seqs={limits.max_num_seqs}")
     longest = n + (params.max_tokens if params.max_tokens is not None else limits.max_model_len - n)
     blocks = -(-longest // limits.block_size)
     if blocks > limits.num_blocks:
-        raise ParamError("max_tokens", f"a sequence of up to {longest} tokens needs {blocks} KV blocks but the pool has "
-                         f"{limits.num_blocks}; lower max_tokens or raise --kv-cache-memory")
+        raise ParamError("max_tokens", f"a sequence of up to {longest} tokens needs {blocks} KV blocks but the pool "
+                         f"has {limits.num_blocks}; lower max_tokens or raise --kv-cache-memory")
 
 
 def fits(limits: RequestLimits, num_prompt_tokens: int, params: SamplingParams) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NoReturn, TypeGuard
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -68,7 +69,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def _check(self) -> None:
-        def fail(param: str, msg: str) -> None:
+        def fail(param: str, msg: str) -> NoReturn:
             raise ParamError(param, msg)
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -109,22 +110,24 @@ class SamplingParams:
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids)
         ):
-            fail("stop_token_ids", f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            fail("stop_token_ids",
+                 f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 fail("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
-                if not _is_int(_as_int(token)) or not 0 <= _as_int(token) <= MAX_INT32 or not _is_number(bias):
+                token_id = _as_int(token)
+                if not _is_int(token_id) or not 0 <= token_id <= MAX_INT32 or not _is_number(bias):
                     fail("logit_bias", f"logit_bias entries must be token id -> number, got {token!r}: {bias!r}")
                 if not -100 <= bias <= 100:
                     fail("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     """A finite int or float (JSON parsers accept NaN and Infinity)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

@@ -34,7 +34,7 @@ def append_token(token: int, num_output_tokens: int, params: SamplingParams,
     """Apply the rules to a token just appended (it is output token number ``num_output_tokens``);
     adds its text to ``detokenizer`` when it has one. Returns how the sequence ends, or None."""
     may_stop = num_output_tokens >= params.min_tokens
-    if may_stop and token in params.stop_token_ids:
+    if may_stop and token in (params.stop_token_ids or ()):
         if params.include_stop_str_in_output and detokenizer is not None:
             detokenizer.add_token(token, check_stop=False)
         return Finish("stop", token)

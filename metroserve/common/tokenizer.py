@@ -11,6 +11,7 @@ loads its tokenizer here too, so the gateway's token ids are always the engine's
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 from pathlib import Path
@@ -41,10 +42,8 @@ def _tokenizer_class(model_dir: Path):
 def _return_freed_heap() -> None:
     """Loading parses tokenizer.json (MBs of JSON) in Python and again in Rust; glibc keeps the
     freed heap (about 30 MiB for SmolLM2) unless asked to give it back to the OS."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def load_tokenizer(model_dir: Path):

@@ -70,6 +70,7 @@ class CpuAttention:
                                                  metadata.prefill_query_lens, metadata.prefill_seq_lens, scale, out)
         if metadata.decode_index.numel():
             qd = q.index_select(0, metadata.decode_index)
-            od = self.kernels.paged_decode_attention(qd, k_pool, v_pool, metadata.block_tables, metadata.seq_lens, scale)
+            od = self.kernels.paged_decode_attention(qd, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+                                                     scale)
             out.index_copy_(0, metadata.decode_index, od)
         return out.view(num_tokens, num_heads * head_dim)

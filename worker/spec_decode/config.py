@@ -56,7 +56,7 @@ class SpeculativeConfig:
             fail(f"draft_dtype must be float32, bfloat16 or float16, got {self.draft_dtype!r}")
 
     @classmethod
-    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """From the CLI's JSON string, a dict, or an existing config; None or "" means off."""
         if value is None or isinstance(value, cls):
             return value

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from metroserve.worker.attention import BatchLayout, block_tables_to_slots, make_attention_backend
+from metroserve.common.tokenizer import load_tokenizer
+from metroserve.worker.attention import AttentionBackend, BatchLayout, block_tables_to_slots, make_attention_backend
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model_files import resolve_model_dir
-from metroserve.common.tokenizer import load_tokenizer
 from metroserve.worker.model_loader import load_model
 from metroserve.worker.sampler import Sampler
 from metroserve.worker.sequence import Sequence
@@ -33,7 +33,8 @@ class DraftModelProposer:
                              f"({len(vocab)} vs {len(target_vocab)} tokens, or different ids)")
         self.dtype, self.device = dtype, device
         self.attention_backend = attention_backend
-        self.attention = None
+        # Set by init_cache, once the target's pool size is known.
+        self.attention: AttentionBackend | None = None
         self.kv_cache: KVCache | None = None
         self.sampler: Sampler | None = None
 
@@ -50,9 +51,19 @@ class DraftModelProposer:
                                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.sampler = sampler
 
+    def _pool(self) -> tuple[AttentionBackend, KVCache, Sampler]:
+        assert self.attention is not None and self.kv_cache is not None and self.sampler is not None, \
+            "init_cache() first"
+        return self.attention, self.kv_cache, self.sampler
+
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """The target's copy-on-write block copies, applied to the draft's pool too."""
+        self._pool()[1].copy_blocks(blocks_to_copy)
+
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> None:
         """Write the draft's K/V for the tokens of the target's step (no logits needed)."""
-        self.model(input_ids, positions, self.attention, self.kv_cache, self.attention.prepare(layout))
+        attention, kv_cache, _ = self._pool()
+        self.model(input_ids, positions, attention, kv_cache, attention.prepare(layout))
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Fill seq.spec_token_ids with seq.num_lookahead_tokens drafts, and seq.draft_probs for sampled rows.
@@ -61,11 +72,12 @@ class DraftModelProposer:
         tokens for each of these sequences. Draft j of a sequence with L tokens sits at position L + j;
         the draft's forward j reads the token at position L - 1 + j.
         """
+        attention, kv_cache, sampler = self._pool()
         for s in seqs:
             s.spec_token_ids = []
         sampled = [s for s in seqs if not s.request.params.greedy]
         q_rows: dict[int, list[torch.Tensor]] = {id(s): [] for s in sampled}
-        bs = self.kv_cache.block_size
+        bs = kv_cache.block_size
         for j in range(max(s.num_lookahead_tokens for s in seqs)):
             active = [s for s in seqs if s.num_lookahead_tokens > j]
             tokens = [s.spec_token_ids[-1] if j else s.token_ids[-1] for s in active]
@@ -76,14 +88,14 @@ class DraftModelProposer:
                                  seq_lens=(pos + 1).tolist(), block_tables=tables,
                                  block_table_tensor=table_tensor, slot_mapping=slots)
             positions = torch.from_numpy(pos).to(self.device)
-            hidden = self.model(torch.tensor(tokens, device=self.device), positions, self.attention, self.kv_cache,
-                                self.attention.prepare(layout))
-            logits = self.sampler.process_logits(self.model.compute_logits(hidden), active)
+            hidden = self.model(torch.tensor(tokens, device=self.device), positions, attention, kv_cache,
+                                attention.prepare(layout))
+            logits = sampler.process_logits(self.model.compute_logits(hidden), active)
             next_tokens = logits.argmax(dim=-1)
             rows = [i for i, s in enumerate(active) if not s.request.params.greedy]
             if rows:
                 q = Sampler.probs(logits[rows], [active[i].request.params for i in rows])
-                next_tokens[rows] = torch.multinomial(q, 1, generator=self.sampler.generator)[:, 0]
+                next_tokens[rows] = torch.multinomial(q, 1, generator=sampler.generator)[:, 0]
                 for r, i in enumerate(rows):
                     q_rows[id(active[i])].append(q[r])
             for s, t in zip(active, next_tokens.tolist()):

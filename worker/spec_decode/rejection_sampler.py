@@ -101,7 +101,8 @@ class RejectionSampler:
         device = logits.device
         k = max(len(seqs[i].spec_token_ids) for i in rows)
         vocab = logits.shape[1]
-        index = torch.tensor([[min(starts[i] + j, starts[i + 1] - 1) for j in range(k + 1)] for i in rows], device=device)
+        index = torch.tensor([[min(starts[i] + j, starts[i + 1] - 1) for j in range(k + 1)] for i in rows],
+                             device=device)
         params = [seqs[i].request.params for i in rows for _ in range(k + 1)]
         target_probs = Sampler.probs(logits[index.flatten()], params).view(len(rows), k + 1, vocab)
         drafts = torch.tensor([seqs[i].spec_token_ids + [-1] * (k - len(seqs[i].spec_token_ids)) for i in rows],
@@ -113,7 +114,8 @@ class RejectionSampler:
             for r, i in enumerate(rows):
                 q = seqs[i].draft_probs
                 draft_probs[r, : q.shape[0]] = q
-        num_accepted, next_token = rejection_sample(target_probs, drafts, num_drafts, draft_probs, self.sampler.generator)
+        num_accepted, next_token = rejection_sample(target_probs, drafts, num_drafts, draft_probs,
+                                                    self.sampler.generator)
         for r, (a, t) in enumerate(zip(num_accepted.tolist(), next_token.tolist())):
             i = rows[r]
             out[i] = seqs[i].spec_token_ids[:a] + [t]

@@ -1,0 +1,1 @@
+../../metroserve/__init__.py
