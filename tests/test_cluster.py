@@ -174,7 +174,7 @@ def test_sigterm_drain_hands_back_unfinished_work(stack, tiny_model_dir, tmp_pat
         handed_back = {}
 
         async def terminate_standalone():
-            status = await asyncio.to_thread(stack.cluster_status)
+            status = stack.cluster_status()  # on the loop's thread: see kill_busiest_worker
             (standalone,) = [w for w in status.workers if w.worker_id == "standalone"]
             handed_back["placed"] = standalone.num_placed
             handed_back["migrations"] = status.num_migrations
@@ -202,7 +202,10 @@ def test_worker_killed_mid_stream_loses_nothing(stack):
     killed = {}
 
     async def kill_busiest_worker():
-        status = await asyncio.to_thread(stack.cluster_status)
+        # Read on the loop's own thread, blocking it for a moment: from a helper thread the call
+        # competed for the GIL with this loop parsing thousands of SSE chunks a second, and on a busy
+        # 2-core machine the kill landed after the victim's streams had finished.
+        status = stack.cluster_status()
         victim = max(status.workers, key=lambda w: w.num_placed)
         assert victim.num_placed > 0
         os.kill(victim.pid, signal.SIGKILL)
