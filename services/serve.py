@@ -34,11 +34,13 @@ def _die_with_parent() -> None:
 
 
 def _visible_gpus() -> list[str]:
+    """The GPUs workers may use. torch counts them in a short-lived child process: the supervisor
+    lives as long as the stack and would otherwise hold torch's few hundred MB for one number."""
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         return [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
+    count = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True, check=True).stdout
+    return [str(i) for i in range(int(count))]
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Stack:
         self.gateway: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
         self._stopping = False
-        self.gpus = _visible_gpus()
+        self.gpus = [] if options.engine.device == "cpu" else _visible_gpus()
 
     def _spawn(self, args: list[str], env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *args], preexec_fn=_die_with_parent,
