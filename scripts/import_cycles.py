@@ -13,6 +13,7 @@ component of more than one module, or a module that imports itself.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 import tomllib
@@ -130,8 +131,11 @@ def import_cycles(root: Path) -> list[list[str]]:
 
 
 def main() -> int:
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]
-    cycles = import_cycles(root)
+    parser = argparse.ArgumentParser(description="Count import cycles among the metroserve modules "
+                                     "(static, nothing is imported); exit 1 if there is any.")
+    parser.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="the repository (default: this script's)")
+    cycles = import_cycles(parser.parse_args().root)
     for cycle in cycles:
         print("cycle: " + ", ".join(cycle))
     print(f"{len(cycles)} import cycle(s)")
