@@ -175,7 +175,8 @@ class SchedulerCore:
 
     def _end_request(self, state: RequestState) -> None:
         """End a request before its workers finished it: each placement ends on its worker with its
-        sequences' finish reasons, the record goes, the slots go to the queue."""
+        sequences' finish reasons and the tokens the client got, the record goes, the slots go to
+        the queue."""
         state.done = True
         reasons = [reason or "abort" for reason in state.finish_reasons]
         state.finish_reasons[:] = reasons
@@ -184,8 +185,9 @@ class SchedulerCore:
                 continue
             link = self.workers.get(placement.worker_id)
             if link is not None:
-                link.release(placement, abort=True,
-                             finish_reasons=reasons[placement.base_index:placement.base_index + placement.num_seqs])
+                indices = slice(placement.base_index, placement.base_index + placement.num_seqs)
+                link.release(placement, abort=True, finish_reasons=reasons[indices],
+                             num_tokens=[len(output) for output in state.outputs[indices]])
         state.placements.clear()
         self.queue = [p for p in self.queue if p.request is not state]
         self._forget(state)
@@ -330,7 +332,8 @@ class SchedulerCore:
         while i < len(self.queue):
             placement = self.queue[i]
             state = placement.request
-            fitting = [w for w in self.live_workers() if fits(w.limits, len(state.prompt_token_ids), state.params)]
+            fitting = [w for w in self.live_workers()
+                       if fits(w.limits, len(state.prompt_token_ids), state.largest_token_id, state.params)]
             if not fitting:
                 i += 1
                 continue

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from metroserve.common.request_limits import max_token_id
 from metroserve.common.sampling_params import SamplingParams
 from metroserve.rpc import generation_pb2
 
@@ -56,6 +57,7 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     outputs: list[list[int]] = field(init=False)  # per sequence: tokens forwarded so far
     finish_reasons: list[str | None] = field(init=False)
+    largest_token_id: int = field(init=False)  # for placement's fits(): the vocabulary it needs
     num_cached_tokens: int = 0
     placements: dict[str, Placement] = field(default_factory=dict)  # live ones
     # What the Generate stream sends: GenerateResponse messages, or a core.RequestError to end with.
@@ -70,6 +72,7 @@ class RequestState:
     span: Any = None
 
     def __post_init__(self) -> None:
+        self.largest_token_id = max_token_id(self.prompt_token_ids, self.params)
         self.outputs = [[] for _ in range(self.params.n)]
         self.finish_reasons = [None] * self.params.n
 

@@ -55,9 +55,11 @@ class WorkerLink:
         self._assign.append(assignment)
         self.wakeup.set()
 
-    def release(self, placement: Placement, abort: bool, finish_reasons: Sequence[str] = ()) -> None:
-        """The placement is over here: finished, ended by the scheduler (tell the worker, with each
-        sequence's finish reason; none given: all "abort") or handed back."""
+    def release(self, placement: Placement, abort: bool, finish_reasons: Sequence[str] = (),
+                num_tokens: Sequence[int] = ()) -> None:
+        """The placement is over here: finished, ended by the scheduler (tell the worker each
+        sequence's finish reason, none given: all "abort", and the output tokens the client got)
+        or handed back."""
         if self.placements.pop(placement.placement_id, None) is None:
             return
         for h in placement.block_hashes:
@@ -71,7 +73,8 @@ class WorkerLink:
                 self._assign = unsent
             else:
                 self._end.append(cluster_pb2.PlacementEnd(placement_id=placement.placement_id,
-                                                          finish_reasons=list(finish_reasons)))
+                                                          finish_reasons=list(finish_reasons),
+                                                          num_tokens=list(num_tokens)))
                 self.wakeup.set()
 
     def take_message(self) -> cluster_pb2.SchedulerMessage | None:

@@ -54,6 +54,8 @@ def _check(stack, sink, request_id: str, reason: str, completion_tokens: int, co
     assert record["completion_tokens"] == completion_tokens
     wait_for(lambda: len(_worker_spans(sink, reason)) == spans_before + 1, 20,
              f"one more worker span finished as {reason!r}")
+    # The worker drops what it generated after the client's stream ended: its span counts the same.
+    assert _worker_spans(sink, reason)[-1]["attributes"]["gen_ai.usage.output_tokens"] == completion_tokens
 
 
 def _counted(stack, sink, reason: str) -> tuple[float, int]:
@@ -108,4 +110,5 @@ def test_stop_length_eos_and_abort_agree_everywhere(traced_stack, tiny_model_dir
     record = wait_for(lambda: _log_line(stack, first.id), 10, "the aborted request's log line")
     assert record["finish_reasons"] == ["abort"]
     wait_for(lambda: len(_worker_spans(sink, "abort")) == spans_before + 1, 20, "a worker span finished as 'abort'")
+    assert _worker_spans(sink, "abort")[-1]["attributes"]["gen_ai.usage.output_tokens"] == record["completion_tokens"]
     stack.wait_idle()

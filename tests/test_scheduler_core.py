@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from metroserve.common.block_hash import hash_prompt_blocks
-from metroserve.common.request_limits import RequestLimits, check_request, fits
+from metroserve.common.request_limits import RequestLimits, check_request, fits, max_token_id
 from metroserve.common.sampling_params import SamplingParams
 from metroserve.kvstore import MemoryKVStore
 from metroserve.rpc import cluster_pb2, generation_pb2
@@ -125,17 +125,20 @@ def test_a_request_goes_only_to_workers_whose_limits_admit_it():
     assert "maximum context length is 64" in refusal(core, gen(long_prompt)).message
 
 
-def test_fits_agrees_with_the_size_checks_of_check_request():
+def test_fits_agrees_with_check_request():
     limits = RequestLimits(vocab_size=512, max_model_len=64, max_num_seqs=4, block_size=16, num_blocks=3)
     for num_prompt in (1, 40, 48, 63, 64, 80):
         for max_tokens in (None, 1, 8, 9, 24):
-            params = SamplingParams(max_tokens=max_tokens)
-            try:
-                check_request([1] * num_prompt, params, limits)
-                admitted = True
-            except ValueError:
-                admitted = False
-            assert fits(limits, num_prompt, params) == admitted, (num_prompt, max_tokens)
+            for token, stop_id in ((1, 2), (511, 2), (512, 2), (1, 512)):
+                prompt = [1] * (num_prompt - 1) + [token]
+                params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[stop_id])
+                try:
+                    check_request(prompt, params, limits)
+                    admitted = True
+                except ValueError:
+                    admitted = False
+                assert fits(limits, num_prompt, max_token_id(prompt, params), params) == admitted, \
+                    (num_prompt, max_tokens, token, stop_id)
 
 
 def test_a_placement_no_live_worker_fits_waits_without_blocking_the_queue():

@@ -55,6 +55,7 @@ class AddCommand:
 class AbortCommand:
     request_id: str
     finish_reasons: list[str] = field(default_factory=list)  # per sequence index; missing: "abort"
+    num_tokens: list[int] = field(default_factory=list)  # per sequence index: output to keep; missing: all
 
 
 EngineCommand = AddCommand | AbortCommand
@@ -153,11 +154,12 @@ class AsyncEngine:
                                         list(resume_token_ids)))
         wakeup.set()
 
-    def abort(self, request_id: str, finish_reasons: Sequence[str] = ()) -> None:
+    def abort(self, request_id: str, finish_reasons: Sequence[str] = (), num_tokens: Sequence[int] = ()) -> None:
         """End a request: its blocks are freed and its stream ends before the next step runs.
-        finish_reasons: per sequence ("stop" when the gateway found a stop string); default "abort"."""
+        Per sequence: finish_reasons ("stop" when the gateway found a stop string; default "abort")
+        and num_tokens (the output the client got; what was generated past it is dropped)."""
         if request_id in self._queues:
-            self._pending.append(AbortCommand(request_id, list(finish_reasons)))
+            self._pending.append(AbortCommand(request_id, list(finish_reasons), list(num_tokens)))
             if self._wakeup is not None:
                 self._wakeup.set()
 
@@ -186,7 +188,8 @@ class AsyncEngine:
         for command in pending:
             if isinstance(command, AbortCommand):
                 entry = self._queues.pop(command.request_id, None)
-                request = self.engine.abort_request(command.request_id, command.finish_reasons)
+                request = self.engine.abort_request(command.request_id, command.finish_reasons,
+                                                    command.num_tokens)
                 if entry is not None and entry[0] is not None:
                     entry[0].put_nowait(make_request_output(request, entry[1]) if request is not None else None)
                 elif entry is not None and request is not None:

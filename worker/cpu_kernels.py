@@ -39,7 +39,7 @@ SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "paged_pr
                                          "layer_ops.cpp", "packed_linear.cpp", "bindings.cpp"))
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-BUILDING = "building CPU kernels (about 2 minutes, once per machine)..."
+BUILDING = "building CPU kernels (about 2 minutes, once per checkout and machine)..."
 
 _kernels: ModuleType | None = None
 _failed = False

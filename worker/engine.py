@@ -182,9 +182,12 @@ class LLMEngine:
         self.batcher.add(request.seqs[0])
         return request
 
-    def abort_request(self, request_id: str, finish_reasons: Seq[str] = ()) -> Request | None:
-        """Stop a request now and free its blocks; returns it, or None if unknown. finish_reasons:
-        per sequence index ("stop": the gateway found a stop string); missing or empty: "abort"."""
+    def abort_request(self, request_id: str, finish_reasons: Seq[str] = (),
+                      num_tokens: Seq[int] = ()) -> Request | None:
+        """Stop a request now and free its blocks; returns it, or None if unknown. Per sequence index:
+        finish_reasons ("stop": the gateway found a stop string; missing or empty: "abort") and
+        num_tokens (the output the client got: tokens generated past it are dropped, so counts
+        and spans say what the client received; missing: keep all)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -194,8 +197,9 @@ class LLMEngine:
                 self.batcher.remove(seq)
                 given = finish_reasons[seq.index] if seq.index < len(finish_reasons) else ""
                 self._finish(seq, given or "abort")
-        if self.metrics is not None:
-            self.metrics.record_finished(request, time.time())
+            if seq.index < len(num_tokens):
+                seq.keep_output(num_tokens[seq.index])
+        self._record_finished(request, time.time())
         return request
 
     def take_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
@@ -268,11 +272,16 @@ class LLMEngine:
                                      token_gaps)
         for request in touched.values():
             if request.finished:
-                request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
-                if self.metrics is not None:
-                    self.metrics.record_finished(request, now)
+                self._record_finished(request, now)
         return list(touched.values())
+
+    def _record_finished(self, request: Request, now: float) -> None:
+        m = request.metrics
+        m.finished_time = now
+        m.num_generation_tokens = sum(s.num_output_tokens for s in request.seqs) - request.num_resumed_tokens
+        if self.metrics is not None:
+            self.metrics.record_finished(request, now)
 
     def _append_verified(self, seq: Sequence, tokens: list[int]) -> None:
         """A speculating sequence's accepted drafts plus the target's own next token."""

@@ -94,8 +94,7 @@ class EngineMetrics:
             self.finished[seq.finish_reason or "abort"] += 1
         self.e2e.observe([now - m.arrival_time])
         self.request_prompt_tokens.observe([len(request.prompt_token_ids)])
-        generated = sum(s.num_output_tokens for s in request.seqs) - request.num_resumed_tokens
-        self.request_generation_tokens.observe([generated])
+        self.request_generation_tokens.observe([m.num_generation_tokens])
         if m.first_scheduled_time is not None:
             self.queue_time.observe([m.first_scheduled_time - m.arrival_time])
             if m.first_token_time is not None:

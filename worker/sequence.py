@@ -30,6 +30,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int = 0  # output generated here (resumed tokens not counted), once finished
     num_preemptions: int = 0
 
 
@@ -81,6 +82,14 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def keep_output(self, num_tokens: int) -> None:
+        """Drop output past num_tokens: what a finished sequence generated after its client's stream
+        had already ended."""
+        del self.token_ids[self.num_prompt_tokens + num_tokens:]
+        if self.logprobs is not None:
+            del self.logprobs[num_tokens:]
+        self.num_emitted_tokens = min(self.num_emitted_tokens, num_tokens)
 
     def clear_spec(self) -> None:
         self.spec_token_ids = []

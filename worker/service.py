@@ -56,7 +56,6 @@ SEND_WAIT_S = 1.0
 @dataclass
 class TracedPlacement:
     parent: Context  # the scheduler's span for the request
-    completion_tokens: int = 0
 
 
 @dataclass
@@ -141,12 +140,9 @@ class WorkerService:
                 return
 
     def _trace_output(self, out: RequestOutput) -> None:
-        """Count a traced placement's tokens; when it ends, record its spans (times from the engine)."""
+        """When a traced placement ends, record its spans (times and counts from the engine)."""
         traced = self._traced.get(out.request_id)
-        if traced is None or self.tracer is None:  # placements are traced only while tracing is on
-            return
-        traced.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        if not out.finished:
+        if traced is None or self.tracer is None or not out.finished:  # traced only while tracing is on
             return
         del self._traced[out.request_id]
         m, end = out.metrics, time.time()
@@ -154,7 +150,7 @@ class WorkerService:
             "metroserve.worker": self.options.worker_id, "gen_ai.request.model": self.model_name,
             "metroserve.placement_id": out.request_id,
             "gen_ai.usage.input_tokens": len(out.prompt_token_ids),
-            "gen_ai.usage.output_tokens": traced.completion_tokens,
+            "gen_ai.usage.output_tokens": m.num_generation_tokens,
             "metroserve.cached_tokens": out.num_cached_tokens,
             "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in out.outputs]}
         span = self.tracer.start_span("worker.request", context=traced.parent, start_time=ns(m.arrival_time),
@@ -222,7 +218,7 @@ class WorkerService:
         if msg.heartbeat_interval_s > 0:
             self._heartbeat_s = msg.heartbeat_interval_s
         for end in msg.end:  # its finished output (counted, traced) comes from the next step_done
-            self.engine.abort(end.placement_id, list(end.finish_reasons))
+            self.engine.abort(end.placement_id, list(end.finish_reasons), list(end.num_tokens))
         for a in msg.assign:
             try:
                 params = params_from_proto(a.params)

@@ -36,25 +36,40 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         raise ParamError("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                          f"context length {limits.max_model_len}")
     stop_ids = params.stop_token_ids or []  # SamplingParams normalises None to empty
-    bad_ids = [t for t in stop_ids + list(params.logit_bias or {}) if t >= vocab]
+    bad_ids = [t for t in _param_token_ids(params) if t >= vocab]
     if bad_ids:
         field = "stop_token_ids" if any(t >= vocab for t in stop_ids) else "logit_bias"
         raise ParamError(field, f"token ids {bad_ids[:5]} in stop_token_ids/logit_bias are outside the vocabulary "
                          f"(size {vocab})")
     if params.n > limits.max_num_seqs:
         raise ParamError("n", f"n={params.n} exceeds max_num_seqs={limits.max_num_seqs}")
-    longest = n + (params.max_tokens if params.max_tokens is not None else limits.max_model_len - n)
-    blocks = -(-longest // limits.block_size)
+    longest, blocks = _kv_need(n, params, limits)
     if blocks > limits.num_blocks:
         raise ParamError("max_tokens", f"a sequence of up to {longest} tokens needs {blocks} KV blocks but the pool "
                          f"has {limits.num_blocks}; lower max_tokens or raise --kv-cache-memory")
 
 
-def fits(limits: RequestLimits, num_prompt_tokens: int, params: SamplingParams) -> bool:
-    """Whether a request that check_request admitted somewhere fits an engine with these limits: the
-    size checks only (context length, KV blocks), no per-token work, so placement can run it for
-    every candidate worker. The sequence count is the caller's to check against free slots."""
-    if num_prompt_tokens >= limits.max_model_len:
-        return False
+def max_token_id(prompt_token_ids: list[int], params: SamplingParams) -> int:
+    """The largest token id a request names (prompt, stop_token_ids, logit_bias): what fits() needs
+    of the vocabulary, computed once at admission."""
+    return max([*prompt_token_ids, *_param_token_ids(params)], default=0)
+
+
+def fits(limits: RequestLimits, num_prompt_tokens: int, largest_token_id: int, params: SamplingParams) -> bool:
+    """Whether a request that check_request admitted somewhere fits an engine with these limits,
+    with no per-token work, so placement can run it for every candidate worker. A worker trusts
+    what it is assigned, so this covers everything check_request does but the sequence count,
+    which the caller checks against free slots."""
+    longest, blocks = _kv_need(num_prompt_tokens, params, limits)
+    return (largest_token_id < limits.vocab_size and num_prompt_tokens < limits.max_model_len
+            and longest <= limits.max_model_len and blocks <= limits.num_blocks)
+
+
+def _param_token_ids(params: SamplingParams) -> list[int]:
+    return [*(params.stop_token_ids or ()), *(params.logit_bias or {})]
+
+
+def _kv_need(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits) -> tuple[int, int]:
+    """(the longest the sequence may grow, the KV blocks that takes): up to max_tokens, or the context."""
     longest = limits.max_model_len if params.max_tokens is None else num_prompt_tokens + params.max_tokens
-    return longest <= limits.max_model_len and -(-longest // limits.block_size) <= limits.num_blocks
+    return longest, -(-longest // limits.block_size)

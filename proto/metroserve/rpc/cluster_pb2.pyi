@@ -119,12 +119,14 @@ class Assignment(_message.Message):
     def __init__(self, placement_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PlacementEnd(_message.Message):
-    __slots__ = ("placement_id", "finish_reasons")
+    __slots__ = ("placement_id", "finish_reasons", "num_tokens")
     PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     placement_id: str
     finish_reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, placement_id: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, placement_id: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("assign", "end", "heartbeat_interval_s")
