@@ -8,7 +8,7 @@ import time
 import pytest
 
 from metroserve import LLM, AsyncEngine, SamplingParams
-from metroserve.worker.async_engine import EngineDeadError
+from metroserve.worker.step_sink import EngineDeadError
 from tests.conftest import assert_all_blocks_free
 
 PARAMS = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)

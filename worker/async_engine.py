@@ -22,7 +22,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from metroserve.common.block_hash import BlockHash
 from metroserve.common.request_limits import RequestLimits
@@ -32,12 +31,9 @@ from metroserve.worker.engine import LLMEngine
 from metroserve.worker.metrics import EngineStats
 from metroserve.worker.outputs import RequestOutput, make_request_output
 from metroserve.worker.sequence import Request
+from metroserve.worker.step_sink import EngineDeadError, StepResult, StepSink
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed; no request on this engine can make progress."""
 
 
 @dataclass
@@ -59,30 +55,6 @@ class AbortCommand:
 
 
 EngineCommand = AddCommand | AbortCommand
-
-
-@dataclass
-class StepResult:
-    """What one step (or a batch of aborts between steps) hands the sink."""
-
-    outputs: list[RequestOutput]  # deltas of submitted requests that got tokens or finished
-    blocks_stored: list[BlockHash]  # prefix-cache blocks registered since the last result
-    blocks_removed: list[BlockHash]  # and evicted
-    stats: EngineStats
-
-
-class StepSink(Protocol):
-    """Receives the outputs of submit()ted requests, on the event loop."""
-
-    def step_done(self, result: StepResult) -> Awaitable[None] | None:
-        """After every step (outputs may be empty: a step can only advance prefills), and after
-        aborts of submitted requests. An awaitable returned here is awaited before the next step:
-        the sink's chance to send the outputs first."""
-
-    def rejected(self, request_id: str, error: Exception) -> None: ...
-
-    def failed(self, error: EngineDeadError) -> None:
-        """The step loop died; every submitted request is lost."""
 
 
 class AsyncEngine:

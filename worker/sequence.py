@@ -10,12 +10,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from metroserve.common.block_hash import BlockHash, extra_keys_for
 from metroserve.common.detokenizer import IncrementalDetokenizer
 from metroserve.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
