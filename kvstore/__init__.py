@@ -1,10 +1,10 @@
-"""The scheduler's kvstore (prefix-block index and request state) and the shared block hash."""
+"""The scheduler's kvstore: the prefix-block index, embedded or mirrored to Redis."""
 
 from __future__ import annotations
 
-from metroserve.kvstore.store import MemoryKVStore, RequestRecord
+from metroserve.kvstore.store import MemoryKVStore
 
-__all__ = ["MemoryKVStore", "RequestRecord", "open_kvstore"]
+__all__ = ["MemoryKVStore", "open_kvstore"]
 
 
 def open_kvstore(url: str) -> MemoryKVStore:

@@ -1,18 +1,15 @@
-"""Redis backend of the kvstore: the in-memory store, written through to Redis in the background.
+"""Redis backend of the kvstore: the in-memory block index, written through to Redis in the background.
 
 Every read is served from the in-memory mirror (the base class), so serving never waits on Redis.
 Each write method updates memory and queues the matching Redis commands; a flusher task sends
 the queue every ``flush_interval_s`` as ONE non-transactional pipeline, so the cost is one round
-trip per interval, never one per call or per token. Redis exists so a restarted scheduler starts
-warm (``start()`` loads everything back) and so the state lives outside the scheduler's host.
+trip per interval, never one per call or per block. Redis is there so the block index outlives a
+scheduler restart (``start()`` loads it back) and can live off the scheduler's host.
 
 Key layout (``{p}`` is ``key_prefix``, ``{hex}`` a block hash in lowercase hex):
 
 - ``{p}blk:{hex}``            HASH  worker_id -> epoch                     (the prefix-block index)
 - ``{p}wblk:{worker_id}``     SET   hex hashes the worker has entries for  (the reverse index)
-- ``{p}req:{request_id}``     HASH  request_id, prompt_token_ids, params, priority, cache_salt,
-                                    worker_id, status; each value JSON-encoded
-- ``{p}req:{request_id}:out:{index}``  LIST  generated token ids of sequence ``index`` (RPUSH)
 - ``{p}sentinel``             STRING  present while Redis holds our full state
 
 The store owns every key under ``{p}`` (a resync deletes the ones memory does not have), so two
@@ -31,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 from collections.abc import Iterable
@@ -41,7 +37,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from metroserve.kvstore.store import UNSET, MemoryKVStore, RequestRecord, _Unset
+from metroserve.kvstore.store import MemoryKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +49,6 @@ CHUNK = 2000
 SOCKET_TIMEOUT_S = 1.0
 
 _REDIS_ERRORS = (RedisError, OSError)
-_RECORD_FIELDS = ("request_id", "prompt_token_ids", "params", "priority", "cache_salt", "worker_id", "status")
 
 
 def _glob_escape(text: str) -> str:
@@ -68,8 +63,8 @@ class RedisKVStore(MemoryKVStore):
         self._url = url
         self._prefix = key_prefix
         self._flush_interval_s = flush_interval_s
-        # No client-side retries: a retried pipeline could apply RPUSHes twice. Our own recovery
-        # (a full, idempotent resync) covers every failure instead.
+        # No client-side retries: a failure must surface at once, so the store turns unhealthy and
+        # schedules a resync; that full, idempotent rewrite covers every failure.
         self._redis = aioredis.Redis.from_url(
             url,
             decode_responses=True,
@@ -78,9 +73,6 @@ class RedisKVStore(MemoryKVStore):
             retry=Retry(NoBackoff(), 0),
         )
         self._ops: list[list] = []
-        # RPUSH ops still queued, by list key: new tokens for the same sequence join the queued
-        # command instead of adding one command per call.
-        self._pending_push: dict[str, list] = {}
         # Until start() has loaded and rewritten the state, there is nothing to write through.
         self._needs_resync = True
         self._healthy = False
@@ -96,28 +88,16 @@ class RedisKVStore(MemoryKVStore):
     def _wblk_key(self, worker_id: str) -> str:
         return f"{self._prefix}wblk:{worker_id}"
 
-    def _req_key(self, request_id: str) -> str:
-        return f"{self._prefix}req:{request_id}"
-
-    def _out_key(self, request_id: str, index: int) -> str:
-        return f"{self._prefix}req:{request_id}:out:{index}"
-
     @property
     def _sentinel_key(self) -> str:
         return f"{self._prefix}sentinel"
 
     # ---- write path ---------------------------------------------------------------------------
 
-    def _queue(self, op: list) -> bool:
+    def _queue(self, op: list) -> None:
         """Queue one command for the flusher; during an outage the coming resync covers it instead."""
-        if self._needs_resync:
-            return False
-        self._ops.append(op)
-        return True
-
-    def _drop_pending_push(self, request_id: str, indices: Iterable[int]) -> None:
-        for index in indices:
-            self._pending_push.pop(self._out_key(request_id, index), None)
+        if not self._needs_resync:
+            self._ops.append(op)
 
     def add_blocks(self, worker_id: str, epoch: int, hashes: Iterable[bytes]) -> None:
         hashes = list(hashes)
@@ -146,72 +126,6 @@ class RedisKVStore(MemoryKVStore):
             self._queue(["DEL", self._wblk_key(worker_id)])
         return count
 
-    def _record_ops(self, record: RequestRecord) -> list[list]:
-        """Commands that write a record from scratch (its keys must not exist or be deleted first)."""
-        fields: list = []
-        for name in _RECORD_FIELDS:
-            fields += [name, json.dumps(getattr(record, name))]
-        ops = [["HSET", self._req_key(record.request_id), *fields]]
-        for index, tokens in record.output_token_ids.items():
-            if tokens:
-                ops.append(["RPUSH", self._out_key(record.request_id, index), *tokens])
-        return ops
-
-    def _delete_ops(self, record: RequestRecord) -> list[list]:
-        keys = [self._out_key(record.request_id, i) for i in record.output_token_ids]
-        return [["DEL", self._req_key(record.request_id), *keys]]
-
-    def put_request(self, record: RequestRecord) -> None:
-        new_ops = self._record_ops(record)  # first, so params that are not JSON change nothing
-        old = self._requests.get(record.request_id)
-        super().put_request(record)
-        ops = []
-        if old is not None:
-            self._drop_pending_push(old.request_id, old.output_token_ids)
-            ops += self._delete_ops(old)
-        for op in ops + new_ops:
-            self._queue(op)
-
-    def update_request(
-        self,
-        request_id: str,
-        *,
-        worker_id: str | None | _Unset = UNSET,
-        status: str | _Unset = UNSET,
-    ) -> None:
-        super().update_request(request_id, worker_id=worker_id, status=status)
-        if request_id not in self._requests:
-            return
-        fields: list = []
-        if worker_id is not UNSET:
-            fields += ["worker_id", json.dumps(worker_id)]
-        if status is not UNSET:
-            fields += ["status", json.dumps(status)]
-        if fields:
-            self._queue(["HSET", self._req_key(request_id), *fields])
-
-    def append_tokens(self, request_id: str, index: int, tokens: list[int]) -> None:
-        super().append_tokens(request_id, index, tokens)
-        if not tokens or request_id not in self._requests:
-            return
-        key = self._out_key(request_id, index)
-        queued = self._pending_push.get(key)
-        if queued is not None:
-            queued.extend(tokens)
-            return
-        op = ["RPUSH", key, *tokens]
-        if self._queue(op):
-            self._pending_push[key] = op
-
-    def delete_request(self, request_id: str) -> None:
-        old = self._requests.get(request_id)
-        super().delete_request(request_id)
-        if old is None:
-            return
-        self._drop_pending_push(request_id, old.output_token_ids)
-        for op in self._delete_ops(old):
-            self._queue(op)
-
     # ---- lifecycle ----------------------------------------------------------------------------
 
     @property
@@ -219,10 +133,11 @@ class RedisKVStore(MemoryKVStore):
         return self._healthy
 
     async def start(self) -> None:
-        """Load the state Redis holds (a restarted scheduler starts warm), rewrite it, start flushing.
+        """Load the index Redis holds (it outlives a scheduler restart), rewrite it, start flushing.
 
-        The rewrite drops partial or malformed keys a crash mid-outage could have left and rebuilds
-        the reverse sets from the index. Unlike later failures, Redis being unreachable here raises:
+        The rewrite drops partial or malformed keys a crash mid-outage could have left, and any other
+        key under the prefix (such as the request records older versions wrote), and rebuilds the
+        reverse sets from the index. Unlike later failures, Redis being unreachable here raises:
         a scheduler configured for Redis should not come up without it.
         """
         try:
@@ -283,7 +198,6 @@ class RedisKVStore(MemoryKVStore):
                 self._healthy = False
                 self._needs_resync = True
                 self._ops = []
-                self._pending_push = {}
                 return False
             if not self._healthy:
                 logger.info("kvstore: Redis at %s holds our full state again", self._url)
@@ -292,7 +206,7 @@ class RedisKVStore(MemoryKVStore):
 
     async def _send_queued(self) -> bool:
         """Send the queued commands in one pipeline; False if Redis has lost the sentinel."""
-        ops, self._ops, self._pending_push = self._ops, [], {}
+        ops, self._ops = self._ops, []
         if not ops:
             return bool(await self._redis.exists(self._sentinel_key))
         pipe = self._redis.pipeline(transaction=False)
@@ -307,7 +221,6 @@ class RedisKVStore(MemoryKVStore):
         # The snapshot is taken without yielding, so every write after it is queued and sent later.
         self._needs_resync = False
         self._ops = []
-        self._pending_push = {}
         try:
             ops: list[list] = []
             for h, holders in self._index.items():
@@ -319,9 +232,6 @@ class RedisKVStore(MemoryKVStore):
                     key = self._wblk_key(worker_id)
                     ops.append(["DEL", key])
                     ops.append(["SADD", key, *(h.hex() for h in owned)])
-            for record in self._requests.values():
-                ops += self._delete_ops(record)
-                ops += self._record_ops(record)
             wanted = {op[1] for op in ops}
             wanted.add(self._sentinel_key)
             strays = [k async for k in self._redis.scan_iter(match=_glob_escape(self._prefix) + "*", count=1000)]
@@ -336,14 +246,13 @@ class RedisKVStore(MemoryKVStore):
         except BaseException:
             self._needs_resync = True
             self._ops = []
-            self._pending_push = {}
             raise
 
     async def _load(self) -> None:
-        """Merge what Redis holds into memory, skipping keys that do not parse."""
+        """Merge the index Redis holds into memory, skipping keys that do not parse."""
         glob = _glob_escape(self._prefix)
         blk_keys = [k async for k in self._redis.scan_iter(match=glob + "blk:*", count=1000, _type="hash")]
-        for keys, entries in await self._fetch(blk_keys, "HGETALL"):
+        for keys, entries in await self._hgetall(blk_keys):
             for key, holders in zip(keys, entries):
                 try:
                     h = bytes.fromhex(key[len(self._prefix) + 4 :])
@@ -355,36 +264,13 @@ class RedisKVStore(MemoryKVStore):
                     self._index.setdefault(h, {})[worker_id] = epoch
                     self._by_worker.setdefault(worker_id, set()).add(h)
 
-        req_keys = [k async for k in self._redis.scan_iter(match=glob + "req:*", count=1000, _type="hash")]
-        for keys, entries in await self._fetch(req_keys, "HGETALL"):
-            for key, fields in zip(keys, entries):
-                try:
-                    record = RequestRecord(**{name: json.loads(fields[name]) for name in _RECORD_FIELDS})
-                except (KeyError, TypeError, ValueError):
-                    logger.warning("kvstore: skipping malformed request key %s", key)
-                    continue
-                self._requests[record.request_id] = record
-
-        out_keys = [k async for k in self._redis.scan_iter(match=glob + "req:*:out:*", count=1000, _type="list")]
-        for keys, entries in await self._fetch(out_keys, "LRANGE", 0, -1):
-            for key, tokens in zip(keys, entries):
-                # The index has no ':' but a request id may, so split at the last ":out:".
-                request_id, _, index = key[len(self._prefix) + 4 :].rpartition(":out:")
-                owner = self._requests.get(request_id)
-                try:
-                    if owner is not None:
-                        owner.output_token_ids[int(index)] = [int(t) for t in tokens]
-                except ValueError:
-                    logger.warning("kvstore: skipping malformed token list %s", key)
-                # A list without its record is an orphan: the rewrite in start() deletes it.
-
-    async def _fetch(self, keys: list[str], command: str, *args) -> list[tuple[list[str], list]]:
-        """Run ``command key *args`` for every key, CHUNK keys per pipeline."""
+    async def _hgetall(self, keys: list[str]) -> list[tuple[list[str], list[dict[str, str]]]]:
+        """``HGETALL`` of every key, CHUNK keys per pipeline."""
         batches = []
         for i in range(0, len(keys), CHUNK):
             chunk = keys[i : i + CHUNK]
             pipe = self._redis.pipeline(transaction=False)
             for key in chunk:
-                pipe.execute_command(command, key, *args)
+                pipe.hgetall(key)
             batches.append((chunk, await pipe.execute()))
         return batches

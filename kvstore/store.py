@@ -1,9 +1,10 @@
-"""The scheduler's kvstore: the prefix-block index and the request-state store.
+"""The scheduler's kvstore: the prefix-block index (block hash -> the workers holding it, by epoch).
 
-Only the scheduler process uses it, from one asyncio event loop, so every read and write is a plain
-synchronous call on in-memory structures. ``MemoryKVStore`` is the embedded backend and the base
-class of the Redis backend, which keeps this same state in memory and writes it through in the
-background (see ``kvstore.redis_store``).
+It holds nothing about requests: a restarted scheduler rebuilds those from its gateways' and
+workers' reports. Only the scheduler process uses the store, from one asyncio event loop, so every
+read and write is a plain synchronous call on in-memory structures. ``MemoryKVStore`` is the
+embedded backend and the base class of the Redis backend, which keeps this same index in memory and
+writes it through in the background (see ``kvstore.redis_store``).
 
 Block index entries are tagged with the holding worker's epoch: a restarted worker registers under
 a new epoch, so the blocks its previous incarnation reported can never match a prefix.
@@ -11,56 +12,8 @@ a new epoch, so the blocks its previous incarnation reported can never match a p
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-
-STATUSES = ("queued", "running", "finished")
-
-
-@dataclass
-class RequestRecord:
-    """What the scheduler needs to re-place a request's sequences after a worker dies."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict  # JSON-serializable sampling params
-    priority: int = 0
-    cache_salt: str | None = None
-    worker_id: str | None = None
-    status: str = "queued"  # queued | running | finished
-    # seq index -> tokens generated so far; only sequences that have produced tokens appear
-    output_token_ids: dict[int, list[int]] = field(default_factory=dict)
-
-
-class _Unset(enum.Enum):
-    """Marks an ``update_request`` field the caller did not pass (``None`` is a real worker_id)."""
-
-    UNSET = enum.auto()
-
-
-UNSET = _Unset.UNSET
-
-
-def _copy_record(record: RequestRecord) -> RequestRecord:
-    """A copy whose lists the caller may mutate without changing the stored state behind our back.
-
-    Empty sequences are dropped: a sequence with no tokens yet and an absent one mean the same, and
-    Redis cannot hold an empty list, so both backends agree on the dropped form.
-    """
-    return dataclasses.replace(
-        record,
-        prompt_token_ids=list(record.prompt_token_ids),
-        params=dict(record.params),
-        output_token_ids={i: list(toks) for i, toks in record.output_token_ids.items() if toks},
-    )
-
-
-def _check_status(status: str) -> None:
-    if status not in STATUSES:
-        raise ValueError(f"request status must be one of {STATUSES}, got {status!r}")
 
 
 class MemoryKVStore:
@@ -71,7 +24,6 @@ class MemoryKVStore:
         self._index: dict[bytes, dict[str, int]] = {}
         # worker_id -> the hashes it has entries for (any epoch): purging a worker costs O(its blocks)
         self._by_worker: dict[str, set[bytes]] = {}
-        self._requests: dict[str, RequestRecord] = {}
 
     # ---- prefix-block index -------------------------------------------------------------------
 
@@ -150,49 +102,6 @@ class MemoryKVStore:
     def num_blocks(self, worker_id: str) -> int:
         """How many blocks the index records for the worker (any epoch)."""
         return len(self._by_worker.get(worker_id, ()))
-
-    # ---- request state ------------------------------------------------------------------------
-
-    def put_request(self, record: RequestRecord) -> None:
-        """Store (or replace) a request; the store keeps its own copy."""
-        _check_status(record.status)
-        self._requests[record.request_id] = _copy_record(record)
-
-    def update_request(
-        self,
-        request_id: str,
-        *,
-        worker_id: str | None | _Unset = UNSET,
-        status: str | _Unset = UNSET,
-    ) -> None:
-        """Change only the fields passed; an unknown id is a no-op (the request may have ended)."""
-        if status is not UNSET:
-            _check_status(status)
-        record = self._requests.get(request_id)
-        if record is None:
-            return
-        if worker_id is not UNSET:
-            record.worker_id = worker_id
-        if status is not UNSET:
-            record.status = status
-
-    def append_tokens(self, request_id: str, index: int, tokens: list[int]) -> None:
-        """Append newly generated tokens of sequence ``index``; an unknown id is a no-op."""
-        record = self._requests.get(request_id)
-        if record is None or not tokens:
-            return
-        record.output_token_ids.setdefault(index, []).extend(tokens)
-
-    def delete_request(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-
-    def get_request(self, request_id: str) -> RequestRecord | None:
-        """A copy of the record: change it through the methods above, never in place."""
-        record = self._requests.get(request_id)
-        return None if record is None else _copy_record(record)
-
-    def list_requests(self) -> list[RequestRecord]:
-        return [_copy_record(r) for r in self._requests.values()]
 
     # ---- lifecycle: nothing to do in memory ---------------------------------------------------
 

@@ -1,9 +1,26 @@
-"""The scheduler's state machine: admission, the queue, placement, migration, leases and drain.
+"""The scheduler's state machine: admission, the queue, placement, migration, leases, drain and
+recovery after a restart. It decides; it never carries tokens.
 
-No gRPC here. scheduler/server.py turns calls and streams into these methods (and RequestError
-into a status), and tests drive them directly with WorkerLink objects, reading what each worker
-would be sent from WorkerLink.take_message(). A request's client stream reads RequestState.events:
-GenerateResponse messages, the last one with usage, or a RequestError to end with.
+No gRPC here. scheduler/server.py turns streams into these methods, and tests drive them directly
+with GatewayLink and WorkerLink objects, reading what each would be sent from take_message().
+
+Events and what they cost (none is per token):
+- a gateway submits a request: admit (validate against the workers' limits, queue) and dispatch;
+  the gateway hears "admitted" or the refusal (a grpc status name with retry-after / field);
+- placement: an Assignment to the worker, naming the owning gateway, whose TokenStream gets the
+  output directly;
+- completion: the worker's PlacementFinish (reasons, token counts), or the gateway's Abort (client
+  gone, or stop strings found at the gateway, with what the client received);
+- migration: a worker lost (stream broken, lease expired) or handing work back. The owning gateway
+  is asked for what it delivered (ResumeQuery -> ResumeState) and each unfinished sequence is
+  placed again from there. The gateway's count is the truth: it is what the client has.
+- restart: a new scheduler starts with no requests. Gateways reconnect and report every request
+  they own (GatewayRegister.in_flight); workers reconnect and report what they run
+  (Register.running) and the blocks they hold. Reported placements are adopted; after
+  RECOVERY_WINDOW_S whatever no worker reported is migrated, and whatever no gateway reported is
+  ended. Streams running meanwhile do not notice: their tokens never came through here.
+- a gateway's stream breaks: its requests wait GATEWAY_GRACE_S for it to reconnect and report
+  them, then end (their clients are gone with it).
 
 Everything runs on one event loop, so the state needs no locks. Each event can free a worker slot
 or queue work, so each ends by dispatching.
@@ -15,17 +32,17 @@ import bisect
 import enum
 import logging
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metroserve.common.block_hash import extra_keys_for, hash_prompt_blocks
 from metroserve.common.request_limits import check_request, fits
 from metroserve.common.sampling_params import ParamError, SamplingParams
-from metroserve.kvstore import MemoryKVStore, RequestRecord
+from metroserve.kvstore import MemoryKVStore
 from metroserve.rpc import cluster_pb2, generation_pb2
-from metroserve.rpc.convert import limits_from_proto, params_from_proto, params_to_dict
+from metroserve.rpc.convert import limits_from_proto, params_from_proto
+from metroserve.scheduler.gateway_link import GatewayLink
 from metroserve.scheduler.placement import choose_worker
 from metroserve.scheduler.request_state import Placement, RequestState
 from metroserve.scheduler.telemetry import RequestTelemetry
@@ -38,7 +55,7 @@ CALLER_FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ErrorCode(enum.StrEnum):
-    """Why a request is refused; the server maps each to the gRPC status of the same name."""
+    """Why a request is refused; the gateway maps each to the gRPC status of the same name."""
 
     INVALID_ARGUMENT = "invalid_argument"
     RESOURCE_EXHAUSTED = "resource_exhausted"
@@ -55,6 +72,10 @@ class RequestError(Exception):
         self.retry_after_s = retry_after_s
         self.param = param  # the request field at fault, when one is
 
+    def to_status(self, request_id: str) -> cluster_pb2.RequestStatus:
+        return cluster_pb2.RequestStatus(request_id=request_id, code=self.code.name, message=self.message,
+                                         retry_after_s=self.retry_after_s or 0, param=self.param or "")
+
 
 class AdmissionError(RequestError):
     """Refused at admission (counted in SchedulerCore.rejections by code)."""
@@ -68,16 +89,28 @@ class CoreOptions:
     heartbeat_timeout_s: float = 30.0
     retry_after_s: int = 1
     log_requests: bool = True  # one structured line per finished request
+    # After a start, how long reported placements wait for their gateway (and requests for their
+    # workers) before what is unmatched is ended (or migrated). Workers and gateways redial every
+    # 0.5 s, so a few seconds covers a restart on one machine and a busy network.
+    recovery_window_s: float = 3.0
+    # A gateway whose stream broke keeps its requests this long, to reconnect and report them.
+    gateway_grace_s: float = 5.0
 
 
 class SchedulerCore:
-    def __init__(self, options: CoreOptions, kvstore: MemoryKVStore):
+    def __init__(self, options: CoreOptions, kvstore: MemoryKVStore, now: float | None = None):
         self.options = options
         self.kvstore = kvstore
         self.workers: dict[str, WorkerLink] = {}
+        self.gateways: dict[str, GatewayLink] = {}
+        self.detached: dict[str, float] = {}  # gateway id -> when its stream broke
         self.requests: dict[str, RequestState] = {}
         self.queue: list[Placement] = []  # by (priority, arrival)
+        self.resuming: dict[str, Placement] = {}  # placements off their worker, awaiting their gateway's ResumeState
+        self.recovery_deadline: float | None = (time.monotonic() if now is None else now) + options.recovery_window_s
         self.num_migrations = 0
+        self.num_admitted = 0
+        self.num_finished = 0
         self.rejections: Counter = Counter()  # ErrorCode name -> requests refused
         self.placements_by_worker: Counter = Counter()
         self.placement_hit_tokens_by_worker: Counter = Counter()
@@ -88,47 +121,151 @@ class SchedulerCore:
         """Workers that take new work (not draining)."""
         return [w for w in self.workers.values() if not w.draining]
 
-    # -- requests ----------------------------------------------------------------------------
+    # -- gateways ----------------------------------------------------------------------------
 
-    def admit(self, request: generation_pb2.GenerateRequest, metadata: Iterable[tuple[str, str]] = ()) -> RequestState:
-        """Record and queue a request, or raise AdmissionError. `metadata`: the caller's, for its trace context."""
+    def gateway_registered(self, register: cluster_pb2.GatewayRegister, now: float) -> GatewayLink:
+        """A gateway connected; it reports every request it owns. A link of the same id still open
+        is from a broken stream: replaced. Its requests it no longer reports are over."""
+        old = self.gateways.get(register.gateway_id)
+        if old is not None:
+            old.closed.set()
+            old.wakeup.set()
+        link = GatewayLink(register.gateway_id)
+        link.last_seen = now
+        self.gateways[link.gateway_id] = link
+        self.detached.pop(link.gateway_id, None)
+        link.workers_changed(self._worker_list())
+        reported = {s.request.request_id for s in register.in_flight}
+        for state in [s for s in self.requests.values() if s.gateway_id == link.gateway_id]:
+            if state.request_id not in reported:
+                self._end_request(state)
+        for submission in register.in_flight:
+            self._adopt_request(link, submission, now)
+        for placement in self.resuming.values():  # queries its previous stream may have lost
+            if placement.request.gateway_id == link.gateway_id:
+                link.query_resume(placement)
+        logger.info("gateway %s connected (%d requests in flight)", link.gateway_id, len(register.in_flight))
+        self.dispatch()
+        return link
+
+    def gateway_message(self, link: GatewayLink, msg: cluster_pb2.GatewayMessage, now: float) -> None:
+        link.last_seen = now
+        for submission in msg.submit:
+            self._submit(link, submission)
+        for abort in msg.abort:
+            try:
+                self.abort(link.gateway_id, abort.request_id, abort.ended)
+            except RequestError as e:
+                link.status(e.to_status(abort.request_id))
+        for resume in msg.resume:
+            self._resume_answered(link, resume)
+        self.dispatch()
+
+    def gateway_lost(self, link: GatewayLink, now: float) -> None:
+        """Its stream ended: its requests wait gateway_grace_s for it to come back."""
+        if self.gateways.get(link.gateway_id) is not link:
+            return
+        del self.gateways[link.gateway_id]
+        link.closed.set()
+        link.wakeup.set()
+        self.detached[link.gateway_id] = now
+        logger.warning("gateway %s disconnected", link.gateway_id)
+
+    def _submit(self, link: GatewayLink, submission: cluster_pb2.Submission) -> None:
+        request = submission.request
         try:
-            state = self._new_request(request)
+            state = self._new_request(request, link.gateway_id)
         except AdmissionError as e:
             self.rejections[e.code.name] += 1
-            raise
-        self.requests[state.request_id] = state
-        self.telemetry.admitted(state, metadata, request.model or next(iter(self.workers.values())).model)
-        self.kvstore.put_request(RequestRecord(state.request_id, state.prompt_token_ids, params_to_dict(state.params),
-                                               state.priority, state.cache_salt))
+            link.status(e.to_status(request.request_id))
+            return
+        self._record(state, submission)
+        link.status(cluster_pb2.RequestStatus(request_id=state.request_id))
         self._enqueue(self._new_placement(state, 0, state.params.n, []))
-        self.dispatch()
-        return state
 
-    def _new_request(self, request: generation_pb2.GenerateRequest) -> RequestState:
+    def _record(self, state: RequestState, submission: cluster_pb2.Submission) -> None:
+        self.requests[state.request_id] = state
+        self.num_admitted += 1
+        model = submission.request.model or next((w.model for w in self.workers.values()), "")
+        self.telemetry.admitted(state, dict(submission.trace_context), model)
+
+    def _adopt_request(self, link: GatewayLink, submission: cluster_pb2.Submission, now: float) -> None:
+        """A request the gateway reports as its own after (re)connecting: known, it stays as it is;
+        unknown (this scheduler restarted, or never answered it), it is rebuilt, takes the
+        placements workers report for it, and what runs nowhere is migrated from the gateway's tokens."""
+        request_id = submission.request.request_id
+        if request_id in self.requests:
+            link.status(cluster_pb2.RequestStatus(request_id=request_id))
+            return
+        try:
+            state = self._new_request(submission.request, link.gateway_id, admitted_before=True)
+        except AdmissionError as e:
+            link.status(e.to_status(request_id))
+            return
+        self._record(state, submission)
+        link.status(cluster_pb2.RequestStatus(request_id=request_id))
+        state.recovering = True
+        for worker in self.workers.values():
+            for running in [r for r in worker.orphans.values() if r.request_id == request_id]:
+                worker.take_orphan(running.placement_id)
+                self._adopt_placement(worker, state, running)
+        if not self.in_recovery(now):
+            self._recover(state)
+
+    def _adopt_placement(self, worker: WorkerLink, state: RequestState, running: cluster_pb2.RunningPlacement) -> None:
+        placement = Placement(state, running.base_index, running.num_seqs, [], [], placement_id=running.placement_id,
+                              reports_since_placed=2)
+        state.placements[placement.placement_id] = placement
+        state.workers.append(worker.worker_id)
+        worker.assign(placement, None)
+
+    def _recover(self, state: RequestState) -> None:
+        """The recovery window is over for a rebuilt request: migrate its sequences no worker runs."""
+        state.recovering = False
+        covered = {i for p in state.placements.values() for i in p.indices}
+        lost = [i for i in range(state.params.n) if i not in covered]
+        if len(lost) == state.params.n:
+            self._migrate(self._new_placement(state, 0, state.params.n, []))
+        else:
+            for i in lost:
+                self._migrate(self._new_placement(state, i, 1, []))
+
+    def in_recovery(self, now: float) -> bool:
+        return self.recovery_deadline is not None and now < self.recovery_deadline
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _new_request(self, request: generation_pb2.GenerateRequest, gateway_id: str,
+                     admitted_before: bool = False) -> RequestState:
+        """Validate a submission. `admitted_before`: a request its gateway reports after a restart,
+        checked when it was first admitted: workers may not have reconnected yet, and it is not new
+        work for the queue's bound."""
         models = {w.model for w in self.workers.values()}
-        if request.model and models and request.model not in models:
+        if request.model and models and request.model not in models and not admitted_before:
             raise AdmissionError(ErrorCode.INVALID_ARGUMENT,
                                  f"model {request.model!r} does not exist; served: {', '.join(sorted(models))}")
         if request.WhichOneof("prompt") != "token_ids":
-            raise AdmissionError(ErrorCode.INVALID_ARGUMENT, "the scheduler takes token ids; send text to a gateway")
+            raise AdmissionError(ErrorCode.INVALID_ARGUMENT, "the scheduler takes token ids")
+        if not request.request_id:
+            raise AdmissionError(ErrorCode.INVALID_ARGUMENT, "a submission needs a request id")
         try:
             params = params_from_proto(request.params)
         except ParamError as e:
             raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(e), param=e.param) from None
-        live = self.live_workers()
-        if not live:
-            raise AdmissionError(ErrorCode.UNAVAILABLE, "no worker is available")
         prompt = list(request.token_ids.ids)
-        self._check_limits(prompt, params, live)
-        if len(self.queue) >= self.options.max_queue_len:
+        if not admitted_before:
+            live = self.live_workers()
+            if not live:
+                raise AdmissionError(ErrorCode.UNAVAILABLE, "no worker is available", self.options.retry_after_s)
+            self._check_limits(prompt, params, live)
+        if not admitted_before and len(self.queue) >= self.options.max_queue_len:
             raise AdmissionError(ErrorCode.RESOURCE_EXHAUSTED,
                                  f"the queue is full ({self.options.max_queue_len} requests waiting); retry later",
                                  self.options.retry_after_s)
-        request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise AdmissionError(ErrorCode.INVALID_ARGUMENT, f"request id {request_id!r} is already in use")
-        return RequestState(request_id, prompt, params, request.params, request.priority, request.cache_salt or None)
+        if request.request_id in self.requests:
+            raise AdmissionError(ErrorCode.INVALID_ARGUMENT, f"request id {request.request_id!r} is already in use")
+        return RequestState(request.request_id, prompt, params, request.params, gateway_id, request.priority,
+                            request.cache_salt or None)
 
     @staticmethod
     def _check_limits(prompt: list[int], params: SamplingParams, live: list[WorkerLink]) -> None:
@@ -144,13 +281,13 @@ class SchedulerCore:
         assert error is not None
         raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(error), param=error.param)
 
-    def abort(self, request_id: str, ended: Sequence[generation_pb2.SequenceEnd] = ()) -> bool:
-        """End a request now (the Abort call); False if it is not running. Sequences in `ended` finish
-        as the caller says, their output cut to the tokens the client received, so usage, logs and
-        the worker's counters agree with the client; every other unfinished sequence is "abort". The
-        final message (usage) goes to the request's stream, which then ends."""
+    def abort(self, gateway_id: str, request_id: str, ended: Sequence[generation_pb2.SequenceEnd] = ()) -> bool:
+        """End a request now (its gateway's Abort); False if it is not running, or not this gateway's.
+        Sequences in `ended` finish as the gateway says with the tokens the client received, so
+        usage, logs and the worker's counters agree with the client; every other unfinished
+        sequence is "abort"."""
         state = self.requests.get(request_id)
-        if state is None:
+        if state is None or state.gateway_id != gateway_id:
             return False
         for end in ended:  # all checked before anything changes
             if not 0 <= end.index < state.params.n:
@@ -161,51 +298,54 @@ class SchedulerCore:
                                    f"{CALLER_FINISH_REASONS}, got {end.finish_reason!r}")
             if end.num_tokens < 0:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"ended sequence num_tokens is {end.num_tokens}")
+        told = set()
         for end in ended:
-            state.finish_reasons[end.index] = end.finish_reason or "stop"
-            del state.outputs[end.index][end.num_tokens:]
-        self._end_request(state)
-        state.events.put_nowait(self._final_message(state))
+            if state.finish_reasons[end.index] is None:
+                state.finish_reasons[end.index] = end.finish_reason or "stop"
+                state.num_tokens[end.index] = end.num_tokens
+                told.add(end.index)
+        self._end_request(state, told)
         return True
 
-    def stream_closed(self, state: RequestState) -> None:
-        """The request's client stream is over; if the request is not, it ends as "abort"."""
-        if not state.done:
-            self._end_request(state)
-
-    def _end_request(self, state: RequestState) -> None:
+    def _end_request(self, state: RequestState, told: set[int] | None = None) -> None:
         """End a request before its workers finished it: each placement ends on its worker with its
-        sequences' finish reasons and the tokens the client got, the record goes, the slots go to
-        the queue."""
+        sequences' finish reasons and, where the gateway told them (`told`), the tokens the client
+        got; the slots go to the queue."""
         state.done = True
         reasons = [reason or "abort" for reason in state.finish_reasons]
         state.finish_reasons[:] = reasons
         for placement in state.placements.values():
-            if placement.worker_id is None:  # still queued: no worker holds it
-                continue
-            link = self.workers.get(placement.worker_id)
+            link = self.workers.get(placement.worker_id) if placement.worker_id is not None else None
             if link is not None:
-                indices = slice(placement.base_index, placement.base_index + placement.num_seqs)
-                link.release(placement, abort=True, finish_reasons=reasons[indices],
-                             num_tokens=[len(output) for output in state.outputs[indices]])
+                indices = placement.indices
+                counts = [state.num_tokens[i] for i in indices] if told and all(i in told for i in indices) else []
+                link.release(placement, abort=True, finish_reasons=reasons[indices.start:indices.stop],
+                             num_tokens=counts)
         state.placements.clear()
         self.queue = [p for p in self.queue if p.request is not state]
+        self.resuming = {k: p for k, p in self.resuming.items() if p.request is not state}
         self._forget(state)
         self.dispatch()
 
     def _forget(self, state: RequestState) -> None:
+        state.done = True
         if self.requests.pop(state.request_id, None) is not None:
+            self.num_finished += 1
             self.telemetry.ended(state)
-        self.kvstore.delete_request(state.request_id)
 
-    @staticmethod
-    def _final_message(state: RequestState) -> generation_pb2.GenerateResponse:
-        return generation_pb2.GenerateResponse(request_id=state.request_id, usage=state.usage())
+    def _fail(self, state: RequestState, error: RequestError) -> None:
+        """An admitted request cannot run: it ends, and its gateway passes the error to the client."""
+        self._end_request(state)
+        gateway = self.gateways.get(state.gateway_id)
+        if gateway is not None:
+            gateway.status(error.to_status(state.request_id))
 
     # -- workers -----------------------------------------------------------------------------
 
     def worker_registered(self, register: cluster_pb2.Register, now: float) -> WorkerLink:
-        """A worker connected. A link of the same id still open is from its previous life: lost."""
+        """A worker connected. A link of the same id still open is from its previous life: lost.
+        What it reports running is adopted when its request is being rebuilt, held as an orphan
+        during the recovery window, and otherwise ended (it was moved, or its request is over)."""
         old = self.workers.get(register.worker_id)
         if old is not None:
             self.worker_lost(old)
@@ -214,15 +354,26 @@ class SchedulerCore:
         link = WorkerLink(register, limits_from_proto(register.limits))
         link.last_seen = now
         self.workers[link.worker_id] = link
-        logger.info("worker %s registered (pid %d on %s, epoch %d, %d KV blocks)", link.worker_id, link.pid,
-                    link.host, link.epoch, link.limits.num_blocks)
+        for running in register.running:
+            state = self.requests.get(running.request_id)
+            if state is not None and state.recovering and not any(
+                    set(p.indices) & set(range(running.base_index, running.base_index + running.num_seqs))
+                    for p in state.placements.values()):
+                self._adopt_placement(link, state, running)
+            elif state is None and self.in_recovery(now):
+                link.add_orphan(running)
+            else:
+                link.end(running.placement_id)
+        logger.info("worker %s registered (pid %d on %s, epoch %d, %d KV blocks, %d placements running)",
+                    link.worker_id, link.pid, link.host, link.epoch, link.limits.num_blocks, len(register.running))
+        self._workers_changed()
         self.dispatch()
         return link
 
     def worker_message(self, link: WorkerLink, msg: cluster_pb2.WorkerMessage, now: float) -> None:
         link.last_seen = now
         if msg.HasField("load"):
-            link.load = msg.load
+            link.load_reported(msg.load)
         if msg.draining and not link.draining:
             logger.info("worker %s is draining", link.worker_id)
             link.draining = True
@@ -230,64 +381,40 @@ class SchedulerCore:
             self.kvstore.add_blocks(link.worker_id, link.epoch, msg.blocks_stored)
         if msg.blocks_removed:
             self.kvstore.remove_blocks(link.worker_id, link.epoch, msg.blocks_removed)
-        for out in msg.outputs:
-            self._on_output(link, out)
+        for finish in msg.finished:
+            self._on_finished(link, finish)
         for rejection in msg.rejected:
             placement = link.placements.get(rejection.placement_id)
             if placement is not None:
-                self._on_rejected(link, placement, rejection.message)
+                link.release(placement, abort=False)
+                placement.request.placements.pop(placement.placement_id, None)
+                self._fail(placement.request, RequestError(ErrorCode.INVALID_ARGUMENT, rejection.message))
         for placement_id in msg.handed_back:
             placement = link.placements.get(placement_id)
             if placement is not None:
                 link.release(placement, abort=False)
-                self._requeue_unfinished(placement)
+                self._migrate(placement)
         self.dispatch()
 
-    def _on_output(self, link: WorkerLink, out: cluster_pb2.PlacementOutput) -> None:
-        placement = link.placements.get(out.placement_id)
+    def _on_finished(self, link: WorkerLink, finish: cluster_pb2.PlacementFinish) -> None:
+        placement = link.placements.get(finish.placement_id)
         if placement is None:
-            return  # ended or moved while this output was in flight
-        state = placement.request
-        response = generation_pb2.GenerateResponse(request_id=state.request_id)
-        if not placement.started:
-            placement.started = True
-            if state.first_token_time is None:
-                state.first_token_time = time.monotonic()
-            if placement.base_index == 0 and not placement.resume_token_ids:
-                state.num_cached_tokens = out.num_cached_tokens
-                response.num_cached_tokens = out.num_cached_tokens
-        for delta in out.seqs:
-            index = placement.base_index + delta.index
-            if state.finish_reasons[index] is not None:
-                continue
-            if delta.token_ids:
-                state.outputs[index].extend(delta.token_ids)
-                self.kvstore.append_tokens(state.request_id, index, list(delta.token_ids))
-            if delta.finish_reason:
-                state.finish_reasons[index] = delta.finish_reason
-            delta.index = index
-            response.outputs.append(delta)
-        indices = range(placement.base_index, placement.base_index + placement.num_seqs)
-        if all(state.finish_reasons[i] is not None for i in indices):
-            link.release(placement, abort=False)
-            state.placements.pop(placement.placement_id, None)
-        if state.finished:
-            response.usage.CopyFrom(state.usage())
-            state.done = True
-            self._forget(state)
-        if response.outputs or state.done:
-            state.events.put_nowait(response)
-
-    def _on_rejected(self, link: WorkerLink, placement: Placement, message: str) -> None:
-        """The worker refused the placement (it checked the request and found it bad): the request fails."""
+            link.take_orphan(finish.placement_id)
+            return  # ended or moved while the report was in flight
         link.release(placement, abort=False)
         state = placement.request
         state.placements.pop(placement.placement_id, None)
-        self._end_request(state)
-        state.events.put_nowait(RequestError(ErrorCode.INVALID_ARGUMENT, message))
+        for i, index in enumerate(placement.indices):
+            if state.finish_reasons[index] is None:
+                state.finish_reasons[index] = finish.finish_reasons[i] if i < len(finish.finish_reasons) else "abort"
+                state.num_tokens[index] = finish.num_tokens[i] if i < len(finish.num_tokens) else 0
+        if placement.base_index == 0 and not placement.resume_token_ids:
+            state.num_cached_tokens = finish.num_cached_tokens
+        if state.finished:
+            self._forget(state)
 
     def worker_lost(self, link: WorkerLink) -> None:
-        """Its stream ended or its lease ran out: purge its blocks, re-place its unfinished sequences."""
+        """Its stream ended or its lease ran out: purge its blocks, move its unfinished sequences."""
         if self.workers.get(link.worker_id) is not link:
             return
         del self.workers[link.worker_id]
@@ -299,17 +426,79 @@ class SchedulerCore:
                        len(moved), purged)
         for placement in moved:
             link.release(placement, abort=False)
-            self._requeue_unfinished(placement)
+            self._migrate(placement)
+        self._workers_changed()
         self.dispatch()
 
     def check_leases(self, now: float) -> list[WorkerLink]:
-        """Drop workers silent for longer than the heartbeat timeout (a hung process keeps its
-        connection open); returns them."""
+        """Periodic: drop workers silent for longer than the heartbeat timeout (a hung process keeps
+        its connection open), end the requests of gateways gone past their grace, and close the
+        recovery window. Returns the workers dropped."""
         expired = [w for w in self.workers.values() if now - w.last_seen > self.options.heartbeat_timeout_s]
         for link in expired:
             logger.warning("worker %s missed its heartbeat", link.worker_id)
             self.worker_lost(link)
+        for gateway_id, since in list(self.detached.items()):
+            if now - since > self.options.gateway_grace_s:
+                del self.detached[gateway_id]
+                gone = [s for s in self.requests.values() if s.gateway_id == gateway_id]
+                if gone:
+                    logger.warning("gateway %s did not come back: ending its %d requests", gateway_id, len(gone))
+                for state in gone:
+                    self._end_request(state)
+        if self.recovery_deadline is not None and not self.in_recovery(now):
+            self.recovery_deadline = None
+            self._close_recovery()
         return expired
+
+    def _close_recovery(self) -> None:
+        for worker in self.workers.values():
+            for placement_id in list(worker.orphans):
+                worker.take_orphan(placement_id)
+                worker.end(placement_id)
+        for state in [s for s in self.requests.values() if s.recovering]:
+            self._recover(state)
+        self.dispatch()
+
+    # -- migration ---------------------------------------------------------------------------
+
+    def _migrate(self, placement: Placement) -> None:
+        """The placement runs nowhere now: ask its gateway what the client has, then place the rest."""
+        state = placement.request
+        state.placements.pop(placement.placement_id, None)
+        if state.done:
+            return
+        self.resuming[placement.placement_id] = placement
+        gateway = self.gateways.get(state.gateway_id)
+        if gateway is not None:  # else: asked when it reconnects (or the request ends with its grace)
+            gateway.query_resume(placement)
+
+    def _resume_answered(self, link: GatewayLink, resume: cluster_pb2.ResumeState) -> None:
+        placement = self.resuming.get(resume.placement_id)
+        if placement is None or placement.request.gateway_id != link.gateway_id:
+            return
+        del self.resuming[resume.placement_id]
+        state = placement.request
+        tokens = [list(t.ids) for t in resume.tokens]
+        unfinished = []
+        for i, index in enumerate(placement.indices):
+            reason = resume.finish_reasons[i] if i < len(resume.finish_reasons) else ""
+            output = tokens[i] if i < len(tokens) else []
+            if reason and state.finish_reasons[index] is None:
+                state.finish_reasons[index] = reason
+                state.num_tokens[index] = len(output)
+            elif not reason:
+                unfinished.append((index, output))
+        if unfinished:
+            self.num_migrations += 1
+            state.num_migrations += 1
+        if len(unfinished) == placement.num_seqs and not any(output for _, output in unfinished):
+            self._enqueue(self._new_placement(state, placement.base_index, placement.num_seqs, []))
+        else:  # each sequence continues on its own from its own tokens
+            for index, output in unfinished:
+                self._enqueue(self._new_placement(state, index, 1, output))
+        if state.finished and not state.placements:
+            self._forget(state)
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -361,40 +550,35 @@ class SchedulerCore:
         link.assign(placement, cluster_pb2.Assignment(
             placement_id=placement.placement_id, prompt_token_ids=state.prompt_token_ids,
             resume_token_ids=placement.resume_token_ids, params=params, priority=state.priority,
-            cache_salt=state.cache_salt or "", trace_context=trace_context))
+            cache_salt=state.cache_salt or "", trace_context=trace_context, request_id=state.request_id,
+            gateway_id=state.gateway_id, base_index=placement.base_index))
         self.placements_by_worker[link.worker_id] += 1
         self.placement_hit_tokens_by_worker[link.worker_id] += hit_tokens
-        self.kvstore.update_request(state.request_id, worker_id=link.worker_id, status="running")
-
-    def _requeue_unfinished(self, placement: Placement) -> None:
-        """Re-place what a lost (or draining) worker did not finish, from the tokens already sent."""
-        state = placement.request
-        state.placements.pop(placement.placement_id, None)
-        if state.done:
-            return
-        indices = range(placement.base_index, placement.base_index + placement.num_seqs)
-        unfinished = [i for i in indices if state.finish_reasons[i] is None]
-        if not unfinished:
-            return
-        self.num_migrations += 1
-        state.num_migrations += 1
-        if not any(state.outputs[i] for i in indices):  # nothing produced yet: place it again as it was
-            self._enqueue(self._new_placement(state, placement.base_index, placement.num_seqs, []))
-        else:  # each sequence continues on its own from its own tokens
-            for i in unfinished:
-                self._enqueue(self._new_placement(state, i, 1, state.outputs[i]))
 
     # -- views -------------------------------------------------------------------------------
+
+    def _worker_list(self) -> cluster_pb2.GatewayControl:
+        return cluster_pb2.GatewayControl(
+            workers_changed=True, models=self.models(),
+            workers=[cluster_pb2.WorkerEndpoint(worker_id=w.worker_id, epoch=w.epoch, address=w.address)
+                     for w in self.workers.values()])
+
+    def _workers_changed(self) -> None:
+        control = self._worker_list()
+        for gateway in self.gateways.values():
+            gateway.workers_changed(control)
 
     def status(self) -> cluster_pb2.ClusterStatus:
         status = cluster_pb2.ClusterStatus(
             queue_depth=len(self.queue), num_active_requests=len(self.requests), num_migrations=self.num_migrations,
             num_rejected=sum(self.rejections.values()), placements_by_worker=dict(self.placements_by_worker),
-            placement_prefix_hit_tokens=sum(self.placement_hit_tokens_by_worker.values()))
+            placement_prefix_hit_tokens=sum(self.placement_hit_tokens_by_worker.values()),
+            num_gateways=len(self.gateways), num_admitted=self.num_admitted, num_finished=self.num_finished)
         for w in self.workers.values():
             status.workers.append(cluster_pb2.WorkerStatus(
                 worker_id=w.worker_id, epoch=w.epoch, pid=w.pid, host=w.host, draining=w.draining,
-                num_placed=w.num_placed_seqs, load=w.load, num_index_blocks=self.kvstore.num_blocks(w.worker_id)))
+                num_placed=w.num_placed_seqs, load=w.load, num_index_blocks=self.kvstore.num_blocks(w.worker_id),
+                address=w.address))
         return status
 
     def models(self) -> list[generation_pb2.ModelInfo]:

@@ -1,9 +1,9 @@
-"""The scheduler's gRPC face: thin servicers over SchedulerCore (scheduler/core.py), and run_scheduler.
+"""The scheduler process: gRPC adapters around SchedulerCore (scheduler/core.py).
 
-Generation (gateways call it with token ids), WorkerHub (each worker's one bidirectional stream)
-and Cluster (status) translate calls into core events and core errors into statuses: a
-RequestError's code becomes the gRPC status of that name, its retry-after a trailing metadata entry.
-Health reports readiness (a worker takes work) for the Generation service.
+WorkerHub (each worker's stream), GatewayHub (each gateway's stream) and Cluster (status)
+translate streams into core events. Every service needs the cluster's credentials
+(metroserve.rpc.auth): a peer without them is refused before any message is read. Health reports
+readiness (a worker takes work) for the Generation service the gateways serve.
 """
 
 from __future__ import annotations
@@ -11,28 +11,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from metroserve.kvstore import open_kvstore
-from metroserve.rpc import (
-    GENERATION_SERVICE,
-    GRPC_OPTIONS,
-    PARAM_METADATA_KEY,
-    cluster_pb2,
-    cluster_pb2_grpc,
-    generation_pb2,
-    generation_pb2_grpc,
-)
-from metroserve.scheduler.core import CoreOptions, RequestError, SchedulerCore
+from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc
+from metroserve.rpc.auth import ClusterCredentials, add_server_port, server_interceptors
+from metroserve.scheduler.core import CoreOptions, SchedulerCore
 from metroserve.scheduler.metrics import SchedulerCollector
-from metroserve.scheduler.worker_link import WorkerLink
 from metroserve.services.metrics_http import start_metrics_server
 
 logger = logging.getLogger(__name__)
+
+# How often leases, gateway grace and the recovery window are checked.
+LEASE_CHECK_S = 0.25
 
 
 @dataclass
@@ -41,51 +38,35 @@ class SchedulerOptions(CoreOptions):
     port: int = 50051
     kvstore: str = "memory"
     metrics_port: int = 0  # 0: no /metrics
+    credentials: ClusterCredentials = field(default_factory=ClusterCredentials.from_env)
 
 
-async def _abort_call(context: grpc.aio.ServicerContext, error: RequestError) -> None:
-    """End the call with the error's status (raises); retry-after and the faulty request field
-    (`metroserve-param`) travel as trailing metadata."""
-    metadata = []
-    if error.retry_after_s is not None:
-        metadata.append(("retry-after", str(error.retry_after_s)))
-    if error.param is not None:
-        metadata.append((PARAM_METADATA_KEY, error.param))
-    if metadata:
-        context.set_trailing_metadata(tuple(metadata))
-    await context.abort(grpc.StatusCode[error.code.name], error.message)
-
-
-class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, core: SchedulerCore):
-        self.core = core
-
-    async def Generate(self, request, context):
+async def _serve_link(first_message: Any, request_iterator: AsyncIterator, link: Any,
+                      on_message: Callable[[Any], None]) -> AsyncIterator[Any]:
+    """One hub stream: read the peer's messages into the core while writing the link's outbox,
+    one message per wakeup, the first being `first_message`."""
+    async def read() -> None:
         try:
-            state = self.core.admit(request, context.invocation_metadata())
-        except RequestError as e:
-            await _abort_call(context, e)
-        try:
-            yield generation_pb2.GenerateResponse(request_id=state.request_id)
-            while True:
-                item = await state.events.get()
-                if isinstance(item, RequestError):
-                    await _abort_call(context, item)
-                yield item
-                if item.HasField("usage"):
-                    return
-        finally:  # the client went away, or the request failed: free it everywhere
-            self.core.stream_closed(state)
+            async for msg in request_iterator:
+                on_message(msg)
+        except Exception as e:  # a broken stream ends the link like a clean close does
+            logger.warning("stream of %s failed: %r", getattr(link, "worker_id", getattr(link, "gateway_id", "?")), e)
+        finally:
+            link.closed.set()
+            link.wakeup.set()
 
-    async def Abort(self, request, context):
-        try:
-            found = self.core.abort(request.request_id, request.ended)
-        except RequestError as e:
-            await _abort_call(context, e)
-        return generation_pb2.AbortResponse(found=found)
-
-    async def ListModels(self, request, context):
-        return generation_pb2.ListModelsResponse(models=self.core.models())
+    reader = asyncio.ensure_future(read())
+    try:
+        yield first_message
+        while not reader.done() and not link.closed.is_set():
+            msg = link.take_message()
+            if msg is not None:
+                yield msg
+                continue
+            link.wakeup.clear()
+            await link.wakeup.wait()
+    finally:
+        reader.cancel()
 
 
 class WorkerHubService(cluster_pb2_grpc.WorkerHubServicer):
@@ -104,37 +85,32 @@ class WorkerHubService(cluster_pb2_grpc.WorkerHubServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Register")
         link = self.core.worker_registered(first.register, time.monotonic())
         await self.update_readiness()
-        reader = asyncio.ensure_future(self._read_worker(link, request_iterator))
+        hello = cluster_pb2.SchedulerMessage(heartbeat_interval_s=self.core.options.heartbeat_timeout_s / 3)
         try:
-            yield cluster_pb2.SchedulerMessage(heartbeat_interval_s=self.core.options.heartbeat_timeout_s / 3)
-            while not reader.done() and not link.closed.is_set():
-                msg = link.take_message()
-                if msg is not None:
-                    yield msg
-                    continue
-                link.wakeup.clear()
-                await link.wakeup.wait()
+            async for msg in _serve_link(hello, request_iterator, link,
+                                         lambda m: self.core.worker_message(link, m, time.monotonic())):
+                yield msg
         finally:
-            reader.cancel()
             self.core.worker_lost(link)
             await self.update_readiness()
 
-    async def _read_worker(self, link: WorkerLink, request_iterator) -> None:
-        try:
-            async for msg in request_iterator:
-                self.core.worker_message(link, msg, time.monotonic())
-        except Exception as e:  # a broken stream ends the link like a clean close does
-            logger.warning("worker %s stream failed: %r", link.worker_id, e)
-        finally:
-            link.closed.set()
-            link.wakeup.set()
 
-    async def watch_leases(self) -> None:
-        """Drop workers whose stream went silent (a hung process keeps its TCP connection open)."""
-        while True:
-            await asyncio.sleep(self.core.options.heartbeat_timeout_s / 3)
-            if self.core.check_leases(time.monotonic()):
-                await self.update_readiness()
+class GatewayHubService(cluster_pb2_grpc.GatewayHubServicer):
+    def __init__(self, core: SchedulerCore):
+        self.core = core
+
+    async def Connect(self, request_iterator, context):
+        first = await request_iterator.__anext__()
+        if not first.HasField("register"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a GatewayRegister")
+        link = self.core.gateway_registered(first.register, time.monotonic())
+        hello = cluster_pb2.GatewayControl(heartbeat_interval_s=self.core.options.heartbeat_timeout_s / 3)
+        try:
+            async for msg in _serve_link(hello, request_iterator, link,
+                                         lambda m: self.core.gateway_message(link, m, time.monotonic())):
+                yield msg
+        finally:
+            self.core.gateway_lost(link, time.monotonic())
 
 
 class ClusterService(cluster_pb2_grpc.ClusterServicer):
@@ -145,30 +121,34 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
         return self.core.status()
 
 
+async def _watch_leases(core: SchedulerCore, hub: WorkerHubService) -> None:
+    """Drop silent workers (a hung process keeps its TCP connection open), end requests of gateways
+    gone past their grace, close the recovery window."""
+    while True:
+        await asyncio.sleep(LEASE_CHECK_S)
+        if core.check_leases(time.monotonic()):
+            await hub.update_readiness()
+
+
 async def run_scheduler(options: SchedulerOptions, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or forever)."""
     kvstore = open_kvstore(options.kvstore)
     await kvstore.start()
-    stale = kvstore.list_requests()
-    if stale:  # their streams ended with the scheduler that admitted them; the clients retry
-        logger.warning("dropping %d request records left by a previous scheduler", len(stale))
-        for record in stale:
-            kvstore.delete_request(record.request_id)
     core = SchedulerCore(options, kvstore)
     health_servicer = health.aio.HealthServicer()
     hub = WorkerHubService(core, health_servicer)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(core), server)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(options.credentials))
     cluster_pb2_grpc.add_WorkerHubServicer_to_server(hub, server)
+    cluster_pb2_grpc.add_GatewayHubServicer_to_server(GatewayHubService(core), server)
     cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(core), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{options.host}:{options.port}"
-    if server.add_insecure_port(address) == 0:
+    if add_server_port(server, address, options.credentials) == 0:
         raise SystemExit(f"scheduler: cannot listen on {address}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await hub.update_readiness()
-    leases = asyncio.ensure_future(hub.watch_leases())
+    leases = asyncio.ensure_future(_watch_leases(core, hub))
     metrics = None
     if options.metrics_port:
         registry = CollectorRegistry()

@@ -1,8 +1,9 @@
 """Per-request telemetry at the scheduler: its trace spans and its one structured log line.
 
-The scheduler sees a request whole (every placement, migration and sequence), so this is where
-the request's span lives and where the log line is written when it ends: one JSON object on the
-`metroserve.requests` logger with ids, timings, token counts, workers and finish reasons.
+The scheduler sees a request whole (every placement, migration and sequence, though none of its
+tokens), so this is where the request's span lives and where the log line is written when it
+ends: one JSON object on the `metroserve.requests` logger with ids, timings, token counts, workers
+and finish reasons. Time to first token is the gateway's to measure (its metrics and span).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ class RequestTelemetry:
         self.log_requests = log_requests
         self.tracer = tracer("metroserve.scheduler")
 
-    def admitted(self, state: RequestState, metadata, model: str) -> None:
+    def admitted(self, state: RequestState, trace_context: dict[str, str], model: str) -> None:
         if self.tracer is None:
             return
         state.span = self.tracer.start_span(
-            "scheduler.request", context=extract_context(metadata), kind=trace.SpanKind.SERVER,
+            "scheduler.request", context=extract_context(trace_context), kind=trace.SpanKind.SERVER,
             start_time=ns(state.arrival_wall_time),
             attributes={"metroserve.request_id": state.request_id, "gen_ai.request.model": model,
                         "gen_ai.usage.input_tokens": len(state.prompt_token_ids), "metroserve.n": state.params.n})
@@ -68,6 +69,6 @@ class RequestTelemetry:
                 "workers": workers, "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
                 "finish_reasons": reasons, "queue_s": since_arrival(state.placed_time),
-                "ttft_s": since_arrival(state.first_token_time), "e2e_s": since_arrival(now),
+                "e2e_s": since_arrival(now),
                 "migrations": state.num_migrations, "priority": state.priority}
         request_logger.info(json.dumps(line))

@@ -1,6 +1,6 @@
 """One connected worker as the scheduler sees it: its lease, load, placements and outbox.
 
-Assignments and aborts for a worker accumulate here and leave as one SchedulerMessage per wakeup
+Assignments and ends for a worker accumulate here and leave as one SchedulerMessage per wakeup
 of the stream's writer, so a burst of requests costs one message, not one each.
 """
 
@@ -24,11 +24,15 @@ class WorkerLink:
         self.model = register.model
         self.pid = register.pid
         self.host = register.host
+        self.address = register.address
         self.limits = limits
         self.load = cluster_pb2.LoadReport(num_free_blocks=limits.num_blocks, num_total_blocks=limits.num_blocks)
         self.draining = False
         self.last_seen = time.monotonic()
         self.placements: dict[str, Placement] = {}
+        # Placements the worker reported at registration whose request no gateway has reported yet
+        # (after a scheduler restart): they hold slots until adopted or ended.
+        self.orphans: dict[str, cluster_pb2.RunningPlacement] = {}
         self.inflight_blocks: Counter = Counter()
         self.num_placed_seqs = 0
         self._assign: list[cluster_pb2.Assignment] = []
@@ -41,19 +45,36 @@ class WorkerLink:
         return self.limits.max_num_seqs - self.num_placed_seqs
 
     def queued_prefill_tokens(self) -> int:
-        return sum(p.prefill_tokens for p in self.placements.values() if not p.started)
+        return sum(p.prefill_tokens for p in self.placements.values() if p.reports_since_placed < 2)
 
     def load_view(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, self.num_placed_seqs, self.queued_prefill_tokens(),
                           self.load.num_free_blocks, self.limits.block_size, self.inflight_blocks)
 
-    def assign(self, placement: Placement, assignment: cluster_pb2.Assignment) -> None:
+    def load_reported(self, load: cluster_pb2.LoadReport) -> None:
+        self.load = load
+        for placement in self.placements.values():
+            placement.reports_since_placed += 1
+
+    def assign(self, placement: Placement, assignment: cluster_pb2.Assignment | None) -> None:
+        """Place it here; `assignment` None: the worker runs it already (adopted after a restart)."""
         placement.worker_id = self.worker_id
         self.placements[placement.placement_id] = placement
         self.inflight_blocks.update(placement.block_hashes)
         self.num_placed_seqs += placement.num_seqs
-        self._assign.append(assignment)
-        self.wakeup.set()
+        if assignment is not None:
+            self._assign.append(assignment)
+            self.wakeup.set()
+
+    def add_orphan(self, running: cluster_pb2.RunningPlacement) -> None:
+        self.orphans[running.placement_id] = running
+        self.num_placed_seqs += running.num_seqs
+
+    def take_orphan(self, placement_id: str) -> cluster_pb2.RunningPlacement | None:
+        running = self.orphans.pop(placement_id, None)
+        if running is not None:
+            self.num_placed_seqs -= running.num_seqs
+        return running
 
     def release(self, placement: Placement, abort: bool, finish_reasons: Sequence[str] = (),
                 num_tokens: Sequence[int] = ()) -> None:
@@ -72,10 +93,13 @@ class WorkerLink:
             if len(unsent) < len(self._assign):  # never reached the worker: nothing to abort there
                 self._assign = unsent
             else:
-                self._end.append(cluster_pb2.PlacementEnd(placement_id=placement.placement_id,
-                                                          finish_reasons=list(finish_reasons),
-                                                          num_tokens=list(num_tokens)))
-                self.wakeup.set()
+                self.end(placement.placement_id, finish_reasons, num_tokens)
+
+    def end(self, placement_id: str, finish_reasons: Sequence[str] = (), num_tokens: Sequence[int] = ()) -> None:
+        """Tell the worker to end a placement it runs."""
+        self._end.append(cluster_pb2.PlacementEnd(placement_id=placement_id, finish_reasons=list(finish_reasons),
+                                                  num_tokens=list(num_tokens)))
+        self.wakeup.set()
 
     def take_message(self) -> cluster_pb2.SchedulerMessage | None:
         if not self._assign and not self._end:

@@ -61,7 +61,7 @@ def _scheduler(args: argparse.Namespace) -> None:
     configure_tracing("metroserve-scheduler", args.otlp_endpoint)
     options = SchedulerOptions(host=args.host, port=args.port, kvstore=args.kvstore, max_queue_len=args.max_queue_len,
                                heartbeat_timeout_s=args.heartbeat_timeout, metrics_port=args.metrics_port,
-                               log_requests=not args.disable_log_requests)
+                               log_requests=not args.disable_log_requests, credentials=_cluster_credentials(args))
     _run_async(lambda stop: run_scheduler(options, stop), "scheduler")
 
 
@@ -72,27 +72,52 @@ def _gateway(args: argparse.Namespace) -> None:
     configure_tracing("metroserve-gateway", args.otlp_endpoint)
     options = GatewayOptions(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
-                             max_body_bytes=args.max_body_bytes)
+                             max_body_bytes=args.max_body_bytes, scheduler_wait_s=args.scheduler_wait,
+                             credentials=_cluster_credentials(args))
     _run_async(lambda stop: run_gateway(options, stop), "gateway")
+
+
+def _cluster_credentials(args: argparse.Namespace):
+    from metroserve.rpc.auth import credentials_from_args
+
+    return credentials_from_args(args)
 
 
 def _worker(args: argparse.Namespace) -> None:
     import uvloop
 
     from metroserve.services.tracing import configure_tracing
-    from metroserve.worker.config import EngineConfig
     from metroserve.worker.service import WorkerOptions, WorkerService
 
     _setup_logging("worker")
     configure_tracing("metroserve-worker", args.otlp_endpoint)
     options = WorkerOptions(scheduler=args.scheduler,
                             worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+                            host=args.host, port=args.port, advertise_address=args.advertise_address,
                             health_port=args.health_port, drain_timeout_s=args.drain_timeout,
-                            served_model_name=args.served_model_name, metrics_port=args.metrics_port)
-    config = EngineConfig.from_cli_args(args)
+                            metrics_port=args.metrics_port, credentials=_cluster_credentials(args))
+    if args.engine == "mock":  # torch is never imported on this path
+        from metroserve.worker.mock_engine import MockEngine, mock_options_from_args
+
+        mock = mock_options_from_args(args)
+        model_name = args.served_model_name or "mock"
+
+        def make_engine(sink):
+            return MockEngine(mock, sink)
+    else:
+        from metroserve.worker.config import EngineConfig
+        from metroserve.worker.model_files import served_model_name
+
+        config = EngineConfig.from_cli_args(args)
+        model_name = args.served_model_name or served_model_name(config.model)
+
+        def make_engine(sink):
+            from metroserve.worker.async_engine import AsyncEngine
+
+            return AsyncEngine(config, detokenize=False, sink=sink, record_block_events=True, step_inline=True)
 
     async def main() -> None:
-        service = WorkerService(config, options)  # loads the model: the event loop exists for the engine's events
+        service = WorkerService(make_engine, model_name, options)  # loads the model: the loop exists for its events
         signal.signal(signal.SIGINT, signal.default_int_handler)
         await service.run()
 
@@ -100,6 +125,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from metroserve.rpc.auth import credentials_from_args
     from metroserve.services.serve import ServeOptions, Stack
     from metroserve.worker.config import EngineConfig
     from metroserve.worker.model_files import resolve_model_dir, served_model_name
@@ -112,7 +138,8 @@ def _serve(args: argparse.Namespace) -> None:
                                port=args.port, grpc_port=args.grpc_port, scheduler_port=args.scheduler_port,
                                kvstore=args.kvstore, api_key=args.api_key, max_queue_len=args.max_queue_len,
                                metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint,
-                               log_requests=not args.disable_log_requests))
+                               log_requests=not args.disable_log_requests,
+                               credentials=credentials_from_args(args, generate=True)))
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -217,7 +244,9 @@ _BENCHMARKS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from metroserve.rpc.auth import add_cluster_auth_args
     from metroserve.worker.config import EngineConfig  # torch-free: the flags only
+    from metroserve.worker.mock_engine import add_mock_engine_args
 
     parser = argparse.ArgumentParser(prog="metroserve",
                                      description="LLM serving with a paged KV cache and continuous batching.")
@@ -243,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                             metrics_help="Prometheus /metrics of the scheduler on this loopback port, of worker i on "
                                          "this port + 1 + i (0: none); the gateway's is on --port")
     EngineConfig.add_cli_args(serve)
+    add_cluster_auth_args(serve)
     serve.set_defaults(func=_serve)
 
     sched = sub.add_parser("scheduler", help="run the central scheduler",
@@ -252,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--heartbeat-timeout", type=float, default=30.0,
                        help="seconds of silence after which a worker is dropped and its work moved")
     _add_service_args(sched, scheduler=True)
+    add_cluster_auth_args(sched)
     _add_observability_args(sched, metrics_port=0, log_requests=True,
                             metrics_help="serve Prometheus /metrics on this port (0: none)")
     sched.set_defaults(func=_scheduler)
@@ -261,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--scheduler", default="127.0.0.1:50051", help="the scheduler's host:port")
     gw.add_argument("--model", default=None, help="model directory or .gguf, for the tokenizer and chat template")
     gw.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get a 400")
+    gw.add_argument("--scheduler-wait", type=float, default=30.0,
+                    help="seconds a request waits for a scheduler that does not answer (e.g. restarting) before "
+                         "a 503 with Retry-After")
     _add_service_args(gw, gateway=True)
+    add_cluster_auth_args(gw)
     _add_observability_args(gw)
     gw.set_defaults(func=_gateway)
 
@@ -269,12 +304,23 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     wk.add_argument("--scheduler", default="127.0.0.1:50051", help="the scheduler's host:port")
     wk.add_argument("--worker-id", default=None, help="unique name (default: hostname-pid)")
-    wk.add_argument("--health-port", type=int, default=0, help="grpc.health.v1 port for probes (0: none)")
+    wk.add_argument("--engine", choices=("model", "mock"), default="model",
+                    help="'mock': a simulated engine (paged pool, prefix cache, step-time model; no model, no torch) "
+                         "for capacity planning and router tests; see the --mock-* flags")
+    wk.add_argument("--host", default="127.0.0.1", help="address its token stream (for the gateways) listens on")
+    wk.add_argument("--port", type=int, default=0, help="token stream port (0: any free port)")
+    wk.add_argument("--advertise-address", default=None,
+                    help="host:port the gateways dial for its tokens (default: --host:--port, this host's name "
+                         "for 0.0.0.0)")
+    wk.add_argument("--health-port", type=int, default=0,
+                    help="an unauthenticated grpc.health.v1 port on --host for probes (0: none)")
     wk.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds to finish running work before handing it back")
     wk.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     _add_observability_args(wk, metrics_port=0, metrics_help="serve Prometheus /metrics on this port (0: none)")
     EngineConfig.add_cli_args(wk)
+    add_mock_engine_args(wk)
+    add_cluster_auth_args(wk)
     wk.set_defaults(func=_worker)
 
     bench = sub.add_parser("bench", help="benchmarks")

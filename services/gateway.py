@@ -1,7 +1,8 @@
-"""The gateway process: REST (OpenAI-compatible) and public gRPC in front of one scheduler.
+"""The gateway process: REST (OpenAI-compatible) and public gRPC in front of the cluster.
 
-Stateless: it holds a tokenizer and a channel to the scheduler, nothing that outlives a request,
-so any number of gateways can run against one scheduler.
+It holds a tokenizer, a control stream to the scheduler and a token stream from each worker
+(services/cluster_client.py), and nothing that outlives a request, so any number of gateways can
+run against one scheduler. Each request's tokens come straight from its worker.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
@@ -17,10 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from metroserve.common.tokenizer import load_tokenizer
 from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2_grpc
+from metroserve.rpc.auth import ClusterCredentials
+from metroserve.services.cluster_client import ClusterClient
 from metroserve.services.gateway_metrics import GatewayMetrics
 from metroserve.services.grpc_api import ApiKeyInterceptor, GatewayGeneration
 from metroserve.services.rest import RestAPI
-from metroserve.services.scheduler_client import SchedulerClient
 from metroserve.worker.model_files import resolve_model_dir, served_model_name
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ class GatewayOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    scheduler_wait_s: float = 30.0  # a request waits this long for a scheduler that does not answer
+    credentials: ClusterCredentials = field(default_factory=ClusterCredentials.from_env)
 
 
 def _max_model_len(model_dir) -> int:
@@ -47,8 +51,8 @@ def _max_model_len(model_dir) -> int:
     return int(cfg.get("max_position_embeddings", 0))
 
 
-async def _mirror_readiness(client: SchedulerClient, servicer) -> None:
-    """Readiness (service metroserve.v1.Generation) follows the scheduler's: a worker is serving."""
+async def _mirror_readiness(client: ClusterClient, servicer) -> None:
+    """Readiness (service metroserve.v1.Generation): connected to the scheduler, a worker behind it."""
     while True:
         serving = await client.ready()
         await servicer.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.SERVING if serving
@@ -61,7 +65,8 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     model_dir = resolve_model_dir(options.model)
     tokenizer = load_tokenizer(model_dir)
     model_name = options.served_model_name or served_model_name(options.model)
-    client = SchedulerClient(options.scheduler)
+    client = ClusterClient(options.scheduler, options.credentials, scheduler_wait_s=options.scheduler_wait_s)
+    client.start()
 
     metrics = GatewayMetrics()
     rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes, metrics)

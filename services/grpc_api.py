@@ -1,7 +1,7 @@
 """The gateway's public gRPC API: Generation with text or token ids in, token ids and text out.
 
-Same path as REST: tokenize here, forward token ids to the scheduler, detokenize and apply stop
-strings on the way back (services/text_stream.py). A cancelled call aborts the request upstream.
+Same path as REST: tokenize here, submit token ids to the cluster, detokenize the workers' tokens
+and apply stop strings (services/text_stream.py). A cancelled call aborts the request upstream.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from opentelemetry import trace
 
 from metroserve.rpc import PARAM_METADATA_KEY, generation_pb2, generation_pb2_grpc
 from metroserve.rpc.convert import params_from_proto
+from metroserve.services.cluster_client import ClusterClient, UpstreamError
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
-from metroserve.services.scheduler_client import SchedulerClient, UpstreamError
 from metroserve.services.text_stream import stream_text
 from metroserve.services.tracing import tracer
 
@@ -46,7 +46,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, client: SchedulerClient, tokenizer, model_name: str, metrics: GatewayMetrics):
+    def __init__(self, client: ClusterClient, tokenizer, model_name: str, metrics: GatewayMetrics):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name

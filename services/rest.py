@@ -2,7 +2,7 @@
 
 Routes: /v1/chat/completions, /v1/completions (SSE streaming ending in [DONE], usage chunk with
 stream_options.include_usage), /v1/models, /health, /tokenize, /detokenize. The server cancels a
-handler when its client disconnects; the cancellation closes the scheduler stream, which aborts
+handler when its client disconnects; the cancellation ends the request's stream, which aborts
 the request on its worker and frees its blocks. A streaming response is only started once the
 scheduler has admitted every prompt, so refusals still get a proper status (400/429/503).
 """
@@ -21,6 +21,7 @@ import grpc
 from aiohttp import web
 from opentelemetry import trace
 
+from metroserve.services.cluster_client import ClusterClient, UpstreamError
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
 from metroserve.services.metrics_http import metrics_handler
 from metroserve.services.openai_api import (
@@ -32,7 +33,6 @@ from metroserve.services.openai_api import (
     parse_completion,
     parse_messages,
 )
-from metroserve.services.scheduler_client import SchedulerClient, UpstreamError
 from metroserve.services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
 from metroserve.services.tracing import tracer
 
@@ -56,7 +56,7 @@ def upstream_error_response(e: UpstreamError) -> web.Response:
 
 
 class RestAPI:
-    def __init__(self, client: SchedulerClient, tokenizer, model_name: str, max_model_len: int,
+    def __init__(self, client: ClusterClient, tokenizer, model_name: str, max_model_len: int,
                  api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics):
         self.client = client
         self.metrics = metrics
@@ -274,7 +274,7 @@ async def _merge(streams: list[AsyncGenerator[StreamUpdate, None]]) -> AsyncGene
         try:
             first = await anext(stream, None)
             if first is None:
-                raise UpstreamError(grpc.StatusCode.INTERNAL, "the scheduler ended the request without output")
+                raise UpstreamError(grpc.StatusCode.INTERNAL, "the request ended without output")
             yield [(0, first)]
             async for update in stream:
                 yield 0, update

@@ -3,8 +3,12 @@
 One scheduler, --workers N worker processes (each owns its own KV pool) and one gateway, each
 started as `metroserve <component>` so they behave exactly as in a real deployment. The model
 is resolved (a GGUF converted) once, before the workers start, so they never race on the cache.
-A worker that exits unexpectedly is restarted; SIGINT/SIGTERM stops the gateway, drains the
-workers, then stops the scheduler.
+The children authenticate each other with an ephemeral cluster secret made here and passed in
+their environment (never their command line), unless the user gave a secret or TLS files.
+Any child that exits unexpectedly is restarted: a worker's work moves to the others meanwhile; a
+restarted scheduler rebuilds its view from the workers' and the gateway's reports while running
+streams go on; a restarted gateway's own clients are lost with it. SIGINT/SIGTERM stops the
+gateway, drains the workers, then stops the scheduler.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from metroserve.rpc.auth import ClusterCredentials, child_process_auth, generate_secret
 from metroserve.worker.config import EngineConfig
 
 logger = logging.getLogger("metroserve.serve")
 
-WORKER_RESTART_DELAY_S = 1.0
+RESTART_DELAY_S = 0.5
 
 
 def _die_with_parent() -> None:
@@ -58,6 +63,9 @@ class ServeOptions:
     metrics_port: int = 9090  # the scheduler's; worker i's is this + 1 + i; 0: none
     otlp_endpoint: str | None = None
     log_requests: bool = True
+    # Credentials the children share; none given: an ephemeral secret made at start.
+    credentials: ClusterCredentials | None = None
+    scheduler_wait_s: float = 30.0
 
 
 class Stack:
@@ -68,10 +76,15 @@ class Stack:
         self.workers: dict[str, subprocess.Popen] = {}
         self._stopping = False
         self.gpus = [] if options.engine.device == "cpu" else _visible_gpus()
+        self._auth_argv, self._auth_env = child_process_auth(options.credentials or ClusterCredentials(
+            secret=generate_secret()))
+        self._argv: dict[str, tuple[list[str], dict | None]] = {}  # child name -> how to start it again
 
-    def _spawn(self, args: list[str], env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *args], preexec_fn=_die_with_parent,
-                                start_new_session=True, env=env)
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+        self._argv[name] = (args, env)
+        return subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *args, *self._auth_argv],
+                                preexec_fn=_die_with_parent, start_new_session=True,
+                                env={**(env or os.environ), **self._auth_env})
 
     def _worker_env(self, index: int) -> dict | None:
         """On a multi-GPU host, worker i gets GPU i mod count to itself, so pools never share a device.
@@ -114,18 +127,19 @@ class Stack:
                      *self._tracing_argv()]
         if not o.log_requests:
             scheduler.append("--disable-log-requests")
-        self.scheduler = self._spawn(scheduler)
+        self.scheduler = self._spawn("scheduler", scheduler)
         for i in range(o.workers):
             worker_id = f"worker-{i}"
-            self.workers[worker_id] = self._spawn(self._worker_argv(worker_id), self._worker_env(i))
+            self.workers[worker_id] = self._spawn(worker_id, self._worker_argv(worker_id), self._worker_env(i))
         gateway = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
-                   "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name]
+                   "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name,
+                   "--scheduler-wait", str(o.scheduler_wait_s)]
         if o.engine.model:
             gateway += ["--model", o.engine.model]
         if o.api_key:
             gateway += ["--api-key", o.api_key]
         gateway += self._tracing_argv()
-        self.gateway = self._spawn(gateway)
+        self.gateway = self._spawn("gateway", gateway)
 
     def wait_ready(self, timeout_s: float = 600.0) -> bool:
         """Poll the gateway's /health until every part is up (a worker loading the model takes a while)."""
@@ -145,21 +159,23 @@ class Stack:
             time.sleep(0.5)
         return False
 
+    def _restart(self, name: str, proc: subprocess.Popen) -> subprocess.Popen:
+        logger.warning("the %s exited with %s; restarting it", name, proc.returncode)
+        time.sleep(RESTART_DELAY_S)
+        return self._spawn(name, *self._argv[name])
+
     def supervise(self) -> int:
-        """Restart dead workers until asked to stop; returns the exit code."""
+        """Restart any child that dies until asked to stop; returns the exit code."""
         assert self.scheduler is not None and self.gateway is not None, "start() first"
         while not self._stopping:
-            if self.scheduler.poll() is not None or self.gateway.poll() is not None:
-                logger.error("the %s exited; stopping", "scheduler" if self.scheduler.poll() is not None else "gateway")
-                self.stop()
-                return 1
+            if self.scheduler.poll() is not None:
+                self.scheduler = self._restart("scheduler", self.scheduler)
+            if self.gateway.poll() is not None:
+                self.gateway = self._restart("gateway", self.gateway)
             for worker_id, proc in list(self.workers.items()):
                 if proc.poll() is not None and not self._stopping:
-                    logger.warning("%s exited with %s; restarting it", worker_id, proc.returncode)
-                    time.sleep(WORKER_RESTART_DELAY_S)
-                    index = int(worker_id.rsplit("-", 1)[1])
-                    self.workers[worker_id] = self._spawn(self._worker_argv(worker_id), self._worker_env(index))
-            time.sleep(0.5)
+                    self.workers[worker_id] = self._restart(worker_id, proc)
+            time.sleep(0.2)
         return 0
 
     def stop(self) -> None:

@@ -1,4 +1,4 @@
-"""Token deltas from the scheduler -> text deltas for clients, with stop strings applied.
+"""Token deltas from the workers -> text deltas for clients, with stop strings applied.
 
 Workers run without detokenization; the gateway turns each sequence's tokens into text with the
 same IncrementalDetokenizer the offline engine uses, and applies the same rules as
@@ -20,7 +20,7 @@ from metroserve.common.sampling_params import SamplingParams
 from metroserve.common.stop_rules import append_token
 from metroserve.rpc import generation_pb2
 from metroserve.rpc.convert import params_to_proto
-from metroserve.services.scheduler_client import SchedulerClient
+from metroserve.services.cluster_client import ClusterClient
 
 
 @dataclass
@@ -89,10 +89,10 @@ class SequenceText:
                          self.stop_reason)
 
 
-async def stream_text(client: SchedulerClient, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+async def stream_text(client: ClusterClient, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str, model: str = "", priority: int = 0,
                       cache_salt: str | None = None) -> AsyncGenerator[StreamUpdate, None]:
-    """One request through the scheduler. The first update is empty: the request was admitted;
+    """One request through the cluster. The first update is empty: the request was admitted;
     a refusal raises UpstreamError instead."""
     request = generation_pb2.GenerateRequest(
         request_id=request_id, model=model, token_ids=generation_pb2.TokenIds(ids=prompt_token_ids),

@@ -4,6 +4,7 @@ checkpoint, and Hugging Face reference generation to compare against."""
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -18,6 +19,9 @@ if str(ROOT) not in sys.path:
 # when a kernel is defined, so it is set before any test imports worker.attention.triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The cluster secret every process a test starts (in-process or as a child) authenticates with.
+os.environ.setdefault("METROSERVE_CLUSTER_SECRET", secrets.token_urlsafe(16))
 
 from metroserve.benchmarks.random_model import write_random_llama  # noqa: E402
 from tests.reference import HFReference  # noqa: E402

@@ -19,6 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cluster_metadata() -> tuple[tuple[str, str], ...]:
+    """What a test's own call to an internal service sends to authenticate (the secret conftest set)."""
+    from metroserve.rpc.auth import ENV_SECRET, SECRET_METADATA_KEY
+
+    return ((SECRET_METADATA_KEY, os.environ[ENV_SECRET]),)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -118,7 +125,8 @@ class ServeStack:
         from metroserve.rpc import cluster_pb2, cluster_pb2_grpc
 
         with grpc.insecure_channel(self.scheduler_address) as channel:
-            return cluster_pb2_grpc.ClusterStub(channel).GetStatus(cluster_pb2.ClusterStatusRequest(), timeout=5)
+            return cluster_pb2_grpc.ClusterStub(channel).GetStatus(cluster_pb2.ClusterStatusRequest(), timeout=5,
+                                                                   metadata=cluster_metadata())
 
     def wait_idle(self, timeout_s: float = 30):
         """Until no request is queued or active and every worker reports all its KV blocks free."""

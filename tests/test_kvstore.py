@@ -1,11 +1,10 @@
-"""The kvstore: epochs, prefix matching and purging in the block index, request records, for both
-backends; for Redis also the warm restart, the pipelined write path and recovery from Redis
-restarts and outages."""
+"""The kvstore: epochs, prefix matching and purging in the block index, for both backends; for
+Redis also loading the index back after a restart, the pipelined write path and recovery from
+Redis restarts and outages."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -17,7 +16,7 @@ import redis
 import redis.asyncio.client
 
 from metroserve.common.block_hash import hash_prompt_blocks
-from metroserve.kvstore import MemoryKVStore, RequestRecord, open_kvstore
+from metroserve.kvstore import MemoryKVStore, open_kvstore
 from metroserve.kvstore.redis_store import RedisKVStore
 from tests.redis_server import RedisServer
 
@@ -72,36 +71,25 @@ def dump(url: str, prefix: str) -> dict:
     """Everything the store wrote under ``prefix``, decoded, read with a separate client."""
     index: dict[bytes, dict[str, int]] = {}
     reverse: dict[str, set[bytes]] = {}
-    requests: dict[str, RequestRecord] = {}
-    outs: dict[str, list[int]] = {}
     other: set[str] = set()
     with redis.Redis.from_url(url, decode_responses=True) as r:
         for key in r.scan_iter(match=prefix + "*"):
             rest = key[len(prefix) :]
-            kind = r.type(key)
             if rest.startswith("blk:"):
                 index[bytes.fromhex(rest[4:])] = {w: int(e) for w, e in r.hgetall(key).items()}
             elif rest.startswith("wblk:"):
                 reverse[rest[5:]] = {bytes.fromhex(x) for x in r.smembers(key)}
-            elif rest.startswith("req:") and kind == "hash":
-                fields = {k: json.loads(v) for k, v in r.hgetall(key).items()}
-                requests[fields["request_id"]] = RequestRecord(**fields)
-            elif rest.startswith("req:") and kind == "list":
-                outs[rest[4:]] = [int(t) for t in r.lrange(key, 0, -1)]
             else:
                 other.add(rest)
-    for key, tokens in outs.items():
-        request_id, _, index_str = key.rpartition(":out:")
-        requests[request_id].output_token_ids[int(index_str)] = tokens
-    return {"index": index, "reverse": reverse, "requests": requests, "other": other}
+    return {"index": index, "reverse": reverse, "other": other}
 
 
-def expected_dump(index: dict[bytes, dict[str, int]], records: list[RequestRecord]) -> dict:
+def expected_dump(index: dict[bytes, dict[str, int]]) -> dict:
     reverse: dict[str, set[bytes]] = {}
     for h, holders in index.items():
         for w in holders:
             reverse.setdefault(w, set()).add(h)
-    return {"index": index, "reverse": reverse, "requests": {r.request_id: r for r in records}, "other": {"sentinel"}}
+    return {"index": index, "reverse": reverse, "other": {"sentinel"}}
 
 
 def dump_or_none(url: str, prefix: str) -> dict | None:
@@ -109,10 +97,6 @@ def dump_or_none(url: str, prefix: str) -> dict | None:
         return dump(url, prefix)
     except redis.exceptions.ConnectionError:
         return None
-
-
-def record(request_id: str, **kw) -> RequestRecord:
-    return RequestRecord(request_id, prompt_token_ids=[1, 2, 3], params={"temperature": 0.0, "max_tokens": 8}, **kw)
 
 
 # ---- both backends ------------------------------------------------------------------------------
@@ -147,7 +131,7 @@ def test_remove_only_removes_the_given_epoch(make_store):
         assert s.match_prefix(H[:4], {"w1": 1, "w1x": 2}) == {}
         await s.flush()
         if isinstance(s, RedisKVStore):
-            assert dump(s._url, s._prefix) == expected_dump({}, [])
+            assert dump(s._url, s._prefix) == expected_dump({})
 
     run(make_store(), body)
 
@@ -182,47 +166,7 @@ def test_purge_worker_drops_only_that_worker(make_store):
         assert s.match_prefix(H[3:8], {"w1": 1, "w2": 1}) == {"w2": 5}
         await s.flush()
         if isinstance(s, RedisKVStore):
-            assert dump(s._url, s._prefix) == expected_dump({h: {"w2": 1} for h in H[3:8]}, [])
-
-    run(make_store(), body)
-
-
-def test_request_record_round_trip(make_store):
-    async def body(s: MemoryKVStore) -> None:
-        rec = record("r1", priority=3, cache_salt="salt", output_token_ids={0: [5, 6]})
-        s.put_request(rec)
-        rec.output_token_ids[0].append(99)  # the store kept its own copy
-        s.append_tokens("r1", 0, [7])
-        s.append_tokens("r1", 1, [8, 9])
-        s.append_tokens("r1", 2, [])
-        s.update_request("r1", worker_id="w1", status="running")
-        s.update_request("r1", status="finished")  # worker_id untouched
-        s.update_request("missing", status="running")
-        s.append_tokens("missing", 0, [1])
-        s.put_request(record("r2"))
-        s.put_request(record("r3", output_token_ids={0: [1]}))
-        s.put_request(record("r3", worker_id="w9"))  # replaces r3 wholesale, tokens included
-        want = record("r1", priority=3, cache_salt="salt", worker_id="w1", status="finished",
-                      output_token_ids={0: [5, 6, 7], 1: [8, 9]})
-        got = s.get_request("r1")
-        assert got == want
-        got.output_token_ids[0].append(100)
-        assert s.get_request("r1") == want
-        assert s.get_request("missing") is None
-        s.update_request("r2", worker_id="w2")
-        s.update_request("r2", worker_id=None)  # None is a value: unassigned again
-        assert s.get_request("r2") == record("r2")
-        s.delete_request("r2")
-        s.delete_request("r2")
-        assert s.get_request("r2") is None
-        expected = [want, record("r3", worker_id="w9")]
-        assert sorted(s.list_requests(), key=lambda r: r.request_id) == expected
-        with pytest.raises(ValueError, match="status"):
-            s.update_request("r1", worker_id="w5", status="lost")
-        assert s.get_request("r1") == want  # a rejected update changes nothing
-        if isinstance(s, RedisKVStore):
-            await s.flush()
-            assert dump(s._url, s._prefix) == expected_dump({}, expected)
+            assert dump(s._url, s._prefix) == expected_dump({h: {"w2": 1} for h in H[3:8]})
 
     run(make_store(), body)
 
@@ -266,7 +210,7 @@ def test_index_agrees_with_a_naive_model(make_store):
             for x, held in model.items():
                 for h, e in held.items():
                     index.setdefault(h, {})[x] = e
-            assert dump(s._url, s._prefix) == expected_dump(index, [])
+            assert dump(s._url, s._prefix) == expected_dump(index)
 
     run(make_store(), body)
 
@@ -289,12 +233,8 @@ def test_start_fails_clearly_without_redis():
         asyncio.run(RedisKVStore(url).start())
 
 
-def test_a_fresh_store_loads_the_same_state(redis_server):
+def test_a_fresh_store_loads_the_same_index(redis_server):
     prefix = _prefix()
-    records = [
-        record("r1", worker_id="w1", status="running", output_token_ids={0: [4, 5], 2: [6]}),
-        record("req:with:out:1:colons", cache_salt="s"),
-    ]
 
     async def main() -> None:
         first = RedisKVStore(redis_server.url, key_prefix=prefix)
@@ -302,8 +242,6 @@ def test_a_fresh_store_loads_the_same_state(redis_server):
         first.add_blocks("w1", 1, H[:10])
         first.add_blocks("w2", 4, H[:3])
         first.remove_blocks("w2", 4, H[1:2])
-        for rec in records:
-            first.put_request(rec)
         await first.close()
 
         second = RedisKVStore(redis_server.url, key_prefix=prefix)
@@ -312,7 +250,6 @@ def test_a_fresh_store_loads_the_same_state(redis_server):
             assert second.match_prefix(H[:10], {"w1": 1, "w2": 4}) == {"w1": 10, "w2": 1}
             assert second.match_prefix(H[2:3], {"w1": 1, "w2": 4}) == {"w1": 1, "w2": 1}
             assert (second.num_blocks("w1"), second.num_blocks("w2")) == (10, 2)
-            assert sorted(second.list_requests(), key=lambda r: r.request_id) == records
             assert second.healthy
         finally:
             await second.close()
@@ -334,36 +271,28 @@ def test_write_path_is_pipelined(redis_server, monkeypatch):
     async def main() -> None:
         store = RedisKVStore(redis_server.url, key_prefix=prefix)
         await store.start()
-        store.put_request(record("r1"))
-        await store.flush()
-        with redis.Redis.from_url(redis_server.url) as r:
-            r.config_resetstat()
         monkeypatch.setattr(redis.asyncio.client.Pipeline, "execute", counting_execute)
         for i in range(1000):
-            store.append_tokens("r1", 0, [i])
             store.add_blocks("w1", 1, [i.to_bytes(16, "little")])
+        store.remove_blocks("w1", 1, [i.to_bytes(16, "little") for i in range(0, 1000, 2)])
         await store.flush()
         try:
-            assert executions <= 3, executions
+            assert executions <= 2, executions  # the flush, and at most one from the flusher task
             with redis.Redis.from_url(redis_server.url, decode_responses=True) as r:
-                stats = r.info("commandstats")
-                # The 1000 appends to one sequence travel as a single RPUSH.
-                assert stats["cmdstat_rpush"]["calls"] <= 3, stats["cmdstat_rpush"]
-                assert r.lrange(prefix + "req:r1:out:0", 0, -1) == [str(i) for i in range(1000)]
-                assert r.scard(prefix + "wblk:w1") == 1000
-            assert store.num_blocks("w1") == 1000
+                assert r.scard(prefix + "wblk:w1") == 500
+                assert r.hgetall(prefix + "blk:" + (1).to_bytes(16, "little").hex()) == {"w1": "1"}
+                assert not r.exists(prefix + "blk:" + (2).to_bytes(16, "little").hex())
+            assert store.num_blocks("w1") == 500
         finally:
             await store.close()
 
     asyncio.run(main())
 
 
-def _fill(s: RedisKVStore, records: list[RequestRecord]) -> dict[bytes, dict[str, int]]:
-    """Some index entries and requests; returns the index they make."""
+def _fill(s: RedisKVStore) -> dict[bytes, dict[str, int]]:
+    """Some index entries; returns the index they make."""
     s.add_blocks("w1", 1, H[:40])
     s.add_blocks("w2", 3, H[20:50])
-    for rec in records:
-        s.put_request(rec)
     index: dict[bytes, dict[str, int]] = {}
     for h in H[:40]:
         index.setdefault(h, {})["w1"] = 1
@@ -375,31 +304,28 @@ def _fill(s: RedisKVStore, records: list[RequestRecord]) -> dict[bytes, dict[str
 def test_redis_restart_mid_run_recovers_the_full_state():
     with RedisServer() as server:
         prefix = _prefix()
-        records = [record(f"r{i}", worker_id="w1", status="running", output_token_ids={0: [i]}) for i in range(5)]
 
         async def main() -> None:
             s = RedisKVStore(server.url, key_prefix=prefix)
             await s.start()
             try:
-                index = _fill(s, records)
+                index = _fill(s)
                 await s.flush()
-                assert dump(server.url, prefix) == expected_dump(index, records)
+                assert dump(server.url, prefix) == expected_dump(index)
 
                 server.restart()  # empty again, same port
                 # Serving goes on: every call works and reads come from memory.
                 for step in range(50):
-                    s.append_tokens("r0", 0, [100 + step])
-                    records[0].output_token_ids[0].append(100 + step)
+                    s.add_blocks("w2", 3, [H[50 + step % 10]])
                     await asyncio.sleep(0)
-                s.add_blocks("w2", 3, H[50:60])
                 for h in H[50:60]:
                     index[h] = {"w2": 3}
-                s.update_request("r1", status="finished")
-                records[1].status = "finished"
-                assert s.match_prefix(H[:60], {"w1": 1, "w2": 3}) == {"w1": 40}
-                assert s.get_request("r0") == records[0]
+                s.remove_blocks("w1", 1, H[30:40])
+                for h in H[30:40]:
+                    del index[h]["w1"]
+                assert s.match_prefix(H[:60], {"w1": 1, "w2": 3}) == {"w1": 30}
 
-                want = expected_dump(index, records)
+                want = expected_dump(index)
                 await eventually(lambda: dump_or_none(server.url, prefix) == want, "Redis holds the full state")
                 await eventually(lambda: s.healthy, "the store is healthy")
             finally:
@@ -408,9 +334,9 @@ def test_redis_restart_mid_run_recovers_the_full_state():
             fresh = RedisKVStore(server.url, key_prefix=prefix)
             await fresh.start()
             try:
-                assert sorted(fresh.list_requests(), key=lambda r: r.request_id) == records
-                assert fresh.match_prefix(H[:60], {"w1": 1, "w2": 3}) == {"w1": 40}
+                assert fresh.match_prefix(H[:60], {"w1": 1, "w2": 3}) == {"w1": 30}
                 assert fresh.match_prefix(H[20:60], {"w2": 3}) == {"w2": 40}
+                assert (fresh.num_blocks("w1"), fresh.num_blocks("w2")) == (30, 40)
             finally:
                 await fresh.close()
 
@@ -421,24 +347,23 @@ def test_redis_restart_mid_run_recovers_the_full_state():
 def test_data_lost_without_a_disconnect_is_rewritten(redis_server, write_after):
     """FLUSHDB keeps the store's connection up, like a restart the client reconnected across."""
     prefix = _prefix()
-    records = [record("r1", output_token_ids={0: [1, 2]})]
 
     async def main() -> None:
         s = RedisKVStore(redis_server.url, key_prefix=prefix)
         await s.start()
         try:
-            index = _fill(s, records)
+            index = _fill(s)
             await s.flush()
             with redis.Redis.from_url(redis_server.url) as r:
                 for key in r.scan_iter(match=prefix + "*"):
                     r.delete(key)
             if write_after:
-                s.append_tokens("r1", 0, [3])
-                records[0].output_token_ids[0].append(3)
+                s.add_blocks("w3", 1, H[60:61])
+                index[H[60]] = {"w3": 1}
                 await s.flush()
-                assert dump(redis_server.url, prefix) == expected_dump(index, records)
+                assert dump(redis_server.url, prefix) == expected_dump(index)
             else:
-                want = expected_dump(index, records)
+                want = expected_dump(index)
                 await eventually(lambda: dump(redis_server.url, prefix) == want, "the idle probe rewrote Redis")
             assert s.healthy
         finally:
@@ -451,29 +376,29 @@ def test_outage_keeps_serving_and_warns_once(caplog):
     caplog.set_level(logging.WARNING, logger="metroserve.kvstore.redis_store")
     with RedisServer() as server:
         prefix = _prefix()
-        records = [record("r1", output_token_ids={0: [1]})]
 
         async def main() -> None:
             s = RedisKVStore(server.url, key_prefix=prefix)
             await s.start()
             try:
-                index = _fill(s, records)
+                index = _fill(s)
                 await s.flush()
                 server.stop()
-                s.append_tokens("r1", 0, [2])
+                s.remove_blocks("w2", 3, H[45:50])
+                for h in H[45:50]:
+                    del index[h]
                 await eventually(lambda: not s.healthy, "the store notices the outage")
                 for step in range(5):  # writes and forced flushes during the outage never raise
                     s.add_blocks("w3", 1, [H[60 + step % 4]])
                     await s.flush()
                 for h in H[60:64]:
                     index[h] = {"w3": 1}
-                records[0].output_token_ids[0].append(2)
-                assert s.get_request("r1") == records[0]
                 assert s.match_prefix(H[60:64], {"w3": 1}) == {"w3": 4}
+                assert s.match_prefix(H[20:50], {"w2": 3}) == {"w2": 25}
                 assert not s.healthy
 
                 server.start()
-                want = expected_dump(index, records)
+                want = expected_dump(index)
                 await eventually(lambda: dump_or_none(server.url, prefix) == want, "Redis holds the full state")
                 await eventually(lambda: s.healthy, "the store is healthy")
             finally:
@@ -487,7 +412,6 @@ def test_outage_keeps_serving_and_warns_once(caplog):
 def test_resync_after_a_failed_flush_drops_what_memory_no_longer_has(redis_server, monkeypatch):
     """A flush that fails while Redis keeps its data: the resync must delete, not only rewrite."""
     prefix = _prefix()
-    records = [record("r1", output_token_ids={0: [1]}), record("r2", output_token_ids={1: [2, 3]})]
 
     async def failing_execute(self, *args, **kwargs):
         raise redis.exceptions.ConnectionError("injected")
@@ -496,41 +420,41 @@ def test_resync_after_a_failed_flush_drops_what_memory_no_longer_has(redis_serve
         s = RedisKVStore(redis_server.url, key_prefix=prefix)
         await s.start()
         try:
-            _fill(s, records)
+            before = expected_dump(_fill(s))
             await s.flush()
             monkeypatch.setattr(redis.asyncio.client.Pipeline, "execute", failing_execute)
-            s.delete_request("r1")
             s.purge_worker("w2")
             s.remove_blocks("w1", 1, H[:5])
             await s.flush()
             assert not s.healthy
-            assert "r1" in dump(redis_server.url, prefix)["requests"]  # Redis still has the old state
+            assert dump(redis_server.url, prefix) == before  # Redis still has the old state
             monkeypatch.undo()
             await s.flush()
             assert s.healthy
-            want = expected_dump({h: {"w1": 1} for h in H[5:40]}, records[1:])
-            assert dump(redis_server.url, prefix) == want
+            assert dump(redis_server.url, prefix) == expected_dump({h: {"w1": 1} for h in H[5:40]})
         finally:
             await s.close()
 
     asyncio.run(main())
 
 
-def test_start_drops_orphans_and_malformed_keys(redis_server):
+def test_start_drops_malformed_and_foreign_keys(redis_server):
     prefix = _prefix()
     with redis.Redis.from_url(redis_server.url) as r:
-        r.rpush(prefix + "req:ghost:out:0", 1, 2)  # tokens of a request that has no record
         r.hset(prefix + "blk:not-hex", "w1", 1)
         r.hset(prefix + "blk:" + H[0].hex(), mapping={"w1": 1, "w2": "x"})
-        r.hset(prefix + "req:half", "status", json.dumps("running"))  # a record missing its fields
+        r.sadd(prefix + "wblk:w9", H[1].hex())  # a reverse entry the index does not back
+        # Keys this store never writes, like the request records of older versions.
+        r.hset(prefix + "req:r1", "status", '"running"')
+        r.rpush(prefix + "req:r1:out:0", 1, 2)
 
     async def main() -> None:
         s = RedisKVStore(redis_server.url, key_prefix=prefix)
         await s.start()
         try:
-            assert s.list_requests() == []
             assert s.num_blocks("w1") == 0
-            assert dump(redis_server.url, prefix) == expected_dump({}, [])
+            assert s.num_blocks("w9") == 0
+            assert dump(redis_server.url, prefix) == expected_dump({})
         finally:
             await s.close()
 

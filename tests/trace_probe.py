@@ -25,14 +25,18 @@ EXPECTED_SPANS = 7  # gateway 1, scheduler 2, worker 4
 async def probe(model_dir: str, exporter: InMemorySpanExporter) -> None:
     from metroserve.scheduler.server import SchedulerOptions, run_scheduler
     from metroserve.services.gateway import GatewayOptions, run_gateway
+    from metroserve.worker.async_engine import AsyncEngine
     from metroserve.worker.config import EngineConfig
+    from metroserve.worker.model_files import served_model_name
     from metroserve.worker.service import WorkerOptions, WorkerService
 
     scheduler_port, rest_port = free_port(), free_port()
     stop = asyncio.Event()
     scheduler = asyncio.ensure_future(run_scheduler(SchedulerOptions(port=scheduler_port), stop))
-    worker = WorkerService(EngineConfig(model=model_dir, kv_cache_memory="64MiB"),
-                           WorkerOptions(scheduler=f"127.0.0.1:{scheduler_port}", worker_id="probe-worker"))
+    config = EngineConfig(model=model_dir, kv_cache_memory="64MiB")
+    worker = WorkerService(lambda sink: AsyncEngine(config, detokenize=False, sink=sink, record_block_events=True,
+                                                    step_inline=True),
+                           served_model_name(model_dir), WorkerOptions(scheduler=f"127.0.0.1:{scheduler_port}", worker_id="probe-worker"))
     worker_task = asyncio.ensure_future(worker.run())
     gateway = asyncio.ensure_future(run_gateway(GatewayOptions(scheduler=f"127.0.0.1:{scheduler_port}",
                                                                port=rest_port, grpc_port=0, model=model_dir), stop))

@@ -28,7 +28,7 @@ from metroserve.common.request_limits import RequestLimits
 from metroserve.common.sampling_params import SamplingParams
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.engine import LLMEngine
-from metroserve.worker.metrics import EngineStats
+from metroserve.worker.metrics import EngineCollector, EngineStats
 from metroserve.worker.outputs import RequestOutput, make_request_output
 from metroserve.worker.sequence import Request
 from metroserve.worker.step_sink import EngineDeadError, StepResult, StepSink
@@ -145,6 +145,9 @@ class AsyncEngine:
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block the prefix cache holds now (a worker's first report after connecting)."""
         return self.engine.cached_block_hashes()
+
+    def metrics_collector(self, labels: dict[str, str]) -> EngineCollector | None:
+        return EngineCollector(self.engine, labels) if self.engine.metrics is not None else None
 
     def _ensure_loop(self) -> asyncio.Event:
         """The step loop's wake-up event; starts the loop when none is running."""

@@ -1,16 +1,23 @@
-"""The worker process: one engine (one device's KV pool) on a stream to the scheduler.
+"""The worker process: one engine (one device's KV pool, or the simulated one) between the
+scheduler, which tells it what to run, and the gateways, which get the tokens.
 
-The worker dials the scheduler and keeps one bidirectional gRPC stream open for its life:
-assignments and aborts come down; after every engine step, one message goes up with every
-sequence's new tokens, the load, and the prefix-cache blocks stored and evicted in that step.
-Nothing here runs inside the step itself: steps run on the event loop's thread, and between two
-steps the engine's StepSink hands over the outputs, the message is built and sent, and incoming
-assignments and aborts are taken in.
+Two gRPC paths, both authenticated with the cluster's credentials (metroserve.rpc.auth):
+- Control: the worker dials the scheduler and keeps one bidirectional stream open for its life.
+  Assignments and ends come down; up go finished placements, rejections and hand-backs as soon as
+  they happen, and the load and the prefix-cache block events every REPORT_INTERVAL_S (or a
+  heartbeat when idle). Nothing per token: the scheduler's work grows with requests and workers.
+- Tokens: the worker serves TokenStream. Each gateway subscribes once; after every engine step,
+  the outputs of the placements a gateway owns (named in each Assignment) leave as one TokenBatch
+  on that gateway's stream. Output for a gateway that has not subscribed yet waits in its outbox.
 
+Steps run on the event loop's thread; between two steps the StepSink hands over the outputs, and
+the next step waits (at most SEND_WAIT_S) until every subscribed gateway's stream took them, so
+tokens leave as they are made rather than in bursts, and a stalled gateway cannot stop the engine.
+
+If the scheduler's stream breaks (the scheduler restarts), running placements go on streaming to
+their gateways; the worker redials and its Register lists them, and the new scheduler adopts them.
 SIGTERM drains: readiness goes off, the scheduler stops placing here, running sequences finish
 (or, after --drain-timeout, are handed back for the scheduler to move), then the process exits.
-If the stream breaks, every placement is dropped (the scheduler moves them) and the worker dials
-again, reporting the blocks it still holds so the prefix index recovers.
 
 --metrics-port serves the engine's Prometheus metrics (worker/metrics.py). With tracing on, a
 placement's spans (worker.request and its queue / prefill / decode phases) are recorded when it
@@ -27,8 +34,8 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,76 +45,99 @@ from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 
 from metroserve.rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
+from metroserve.rpc.auth import ClusterCredentials, add_server_port, open_channel, server_interceptors
 from metroserve.rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
 from metroserve.services.metrics_http import start_metrics_server
 from metroserve.services.tracing import extract_context, ns, tracer
-from metroserve.worker.async_engine import AsyncEngine, EngineDeadError, StepResult
-from metroserve.worker.config import EngineConfig
-from metroserve.worker.metrics import EngineCollector
-from metroserve.worker.model_files import served_model_name
 from metroserve.worker.outputs import RequestOutput
+from metroserve.worker.step_sink import EngineDeadError, ServingEngine, StepResult, StepSink
 
 logger = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
 SEND_WAIT_S = 1.0
+# Load and block events go up at most this often (finishes go at once): the scheduler's prefix
+# index and load view lag by this much, and its cost does not grow with the step rate.
+REPORT_INTERVAL_S = 0.1
 
 
 @dataclass
-class TracedPlacement:
-    parent: Context  # the scheduler's span for the request
+class ActivePlacement:
+    request_id: str
+    gateway_id: str
+    base_index: int
+    num_seqs: int
+    num_tokens: list[int]  # per sequence: output tokens so far (resumed ones included)
+    trace_parent: Context | None = None  # the scheduler's span for the request, while tracing is on
+
+
+@dataclass
+class GatewayOutbox:
+    """Output waiting for one gateway's TokenStream subscription."""
+
+    outputs: list[cluster_pb2.PlacementOutput] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # outputs waiting
+    sent: asyncio.Event = field(default_factory=asyncio.Event)  # a batch went out
+    subscribed: bool = False
+    owner: object | None = None  # the subscription serving it: a newer one replaces it
+    queued_version: int = 0
+    sent_version: int = 0
 
 
 @dataclass
 class WorkerOptions:
     scheduler: str  # host:port
     worker_id: str
-    health_port: int = 0  # 0: no health server
+    host: str = "127.0.0.1"  # where its TokenStream (and health) listen
+    port: int = 0  # TokenStream port; 0: any free one
+    advertise_address: str | None = None  # what gateways dial; default host:port (this host's name for 0.0.0.0)
+    health_port: int = 0  # 0: no separate health server
     drain_timeout_s: float = 30.0
-    served_model_name: str | None = None
     metrics_port: int = 0  # 0: no /metrics
+    credentials: ClusterCredentials = field(default_factory=ClusterCredentials.from_env)
 
 
 class WorkerService:
-    def __init__(self, config: EngineConfig, options: WorkerOptions):
+    def __init__(self, make_engine: Callable[[StepSink], ServingEngine], model_name: str, options: WorkerOptions):
         self.options = options
-        self.model_name = options.served_model_name or served_model_name(config.model)
+        self.model_name = model_name
         self.epoch = random.getrandbits(63)  # a restarted process never matches its old blocks
-        # Steps run inline on the event loop: measured 0.78x -> 1.0x of offline throughput through
-        # the whole service path (benchmarks/README.md), and a hung step also stops the heartbeat.
-        self.engine = AsyncEngine(config, detokenize=False, sink=self, record_block_events=True, step_inline=True)
-        self.active: set[str] = set()  # placement ids submitted and not finished
+        # The real engine steps inline on the event loop: measured 0.78x -> 1.0x of offline
+        # throughput through the whole service path (benchmarks/README.md).
+        self.engine = make_engine(self)
+        self.placements: dict[str, ActivePlacement] = {}  # submitted and not finished
+        self.outboxes: dict[str, GatewayOutbox] = {}  # gateway id -> its output
+        self.address = ""  # host:port gateways dial, once the server is up
         self._stats = self.engine.stats()  # as of the last step: the load report
-        self._outputs: list[cluster_pb2.PlacementOutput] = []
+        self._finished: list[cluster_pb2.PlacementFinish] = []
         self._rejected: list[cluster_pb2.Rejection] = []
         self._stored: list[bytes] = []
         self._removed: list[bytes] = []
         self._handed_back: list[str] = []
-        self._outbox = asyncio.Event()
+        self._urgent = asyncio.Event()  # something the scheduler must hear now
+        self._control_sent = asyncio.Event()  # a message went to the scheduler
         self._heartbeat_s = 1.0
         self._draining = False
         self._stop = asyncio.Event()
         self._dead: EngineDeadError | None = None
         self.health = health.aio.HealthServicer()
         self._idle = asyncio.Event()  # set while no placement is active: what a drain waits for
-        self._sent = asyncio.Event()  # set after each message goes out
-        self._queued_version = 0  # step outputs queued so far ...
-        self._sent_version = 0  # ... and how many of them have been handed to gRPC
-        self._connected = False  # a stream to the scheduler is open
         self.tracer = tracer("metroserve.worker")
-        self._traced: dict[str, TracedPlacement] = {}  # placement id -> its trace, while tracing is on
 
     # -- StepSink: called on the event loop after every engine step ------------------------
 
     def step_done(self, result: StepResult) -> Awaitable[None] | None:
         self._stats = result.stats
+        touched: set[str] = set()
         for out in result.outputs:
-            if out.request_id not in self.active:
-                continue  # handed back or cut off with its stream: the scheduler has moved it
+            placement = self.placements.get(out.request_id)
+            if placement is None:
+                continue  # handed back: the scheduler has moved it
             seqs = []
             for c in out.outputs:
                 if not c.token_ids and not out.finished:
                     continue
+                placement.num_tokens[c.index] += len(c.token_ids)
                 delta = generation_pb2.SequenceDelta(index=c.index, token_ids=c.token_ids,
                                                      finish_reason=c.finish_reason or "")
                 if c.logprobs is not None:
@@ -116,35 +146,55 @@ class WorkerService:
                     delta.stop_token_id = c.stop_reason
                 seqs.append(delta)
             if seqs:
-                self._outputs.append(cluster_pb2.PlacementOutput(
-                    placement_id=out.request_id, num_cached_tokens=out.num_cached_tokens, seqs=seqs))
-            if self._traced:
-                self._trace_output(out)
+                self._outbox(placement.gateway_id).outputs.append(cluster_pb2.PlacementOutput(
+                    placement_id=out.request_id, num_cached_tokens=out.num_cached_tokens, seqs=seqs,
+                    request_id=placement.request_id, base_index=placement.base_index))
+                touched.add(placement.gateway_id)
             if out.finished:
-                self._discard(out.request_id)
+                self._finish(out, placement)
         self._stored.extend(result.blocks_stored)
         self._removed.extend(result.blocks_removed)
-        self._queued_version += 1
-        self._outbox.set()
-        return self._until_sent(self._queued_version) if self._connected else None
+        waits = []
+        for gateway_id in touched:
+            outbox = self.outboxes[gateway_id]
+            outbox.queued_version += 1
+            outbox.ready.set()
+            if outbox.subscribed:
+                waits.append((outbox, outbox.queued_version))
+        return self._until_sent(waits) if waits else None
 
-    async def _until_sent(self, version: int) -> None:
+    def _outbox(self, gateway_id: str) -> GatewayOutbox:
+        outbox = self.outboxes.get(gateway_id)
+        if outbox is None:
+            outbox = self.outboxes[gateway_id] = GatewayOutbox()
+        return outbox
+
+    @staticmethod
+    async def _until_sent(waits: list[tuple[GatewayOutbox, int]]) -> None:
         """Steps run on this loop: without this wait a step's tokens would leave only during later
         steps, in bursts. Bounded, so a stalled stream cannot stop the engine."""
         deadline = time.monotonic() + SEND_WAIT_S
-        while self._sent_version < version and (left := deadline - time.monotonic()) > 0:
-            self._sent.clear()
-            try:
-                await asyncio.wait_for(self._sent.wait(), left)
-            except TimeoutError:
-                return
+        for outbox, version in waits:
+            while outbox.subscribed and outbox.sent_version < version and (left := deadline - time.monotonic()) > 0:
+                outbox.sent.clear()
+                try:
+                    await asyncio.wait_for(outbox.sent.wait(), left)
+                except TimeoutError:
+                    return
 
-    def _trace_output(self, out: RequestOutput) -> None:
-        """When a traced placement ends, record its spans (times and counts from the engine)."""
-        traced = self._traced.get(out.request_id)
-        if traced is None or self.tracer is None or not out.finished:  # traced only while tracing is on
+    def _finish(self, out: RequestOutput, placement: ActivePlacement) -> None:
+        self._finished.append(cluster_pb2.PlacementFinish(
+            placement_id=out.request_id, finish_reasons=[c.finish_reason or "abort" for c in out.outputs],
+            num_tokens=placement.num_tokens, num_cached_tokens=out.num_cached_tokens))
+        self._urgent.set()
+        if placement.trace_parent is not None:
+            self._trace(out, placement.trace_parent)
+        self._discard(out.request_id)
+
+    def _trace(self, out: RequestOutput, parent: Context) -> None:
+        """Record a finished placement's spans (times and counts from the engine)."""
+        if self.tracer is None:
             return
-        del self._traced[out.request_id]
         m, end = out.metrics, time.time()
         attributes: dict[str, AttributeValue] = {
             "metroserve.worker": self.options.worker_id, "gen_ai.request.model": self.model_name,
@@ -153,7 +203,7 @@ class WorkerService:
             "gen_ai.usage.output_tokens": m.num_generation_tokens,
             "metroserve.cached_tokens": out.num_cached_tokens,
             "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in out.outputs]}
-        span = self.tracer.start_span("worker.request", context=traced.parent, start_time=ns(m.arrival_time),
+        span = self.tracer.start_span("worker.request", context=parent, start_time=ns(m.arrival_time),
                                       attributes=attributes)
         child = trace.set_span_in_context(span)
         phases = (("worker.queue", m.arrival_time, m.first_scheduled_time),
@@ -165,21 +215,51 @@ class WorkerService:
         span.end(end_time=ns(end))
 
     def _discard(self, placement_id: str) -> None:
-        self.active.discard(placement_id)
-        self._traced.pop(placement_id, None)
-        if not self.active:
+        placement = self.placements.pop(placement_id, None)
+        if placement is not None:
+            outbox = self.outboxes.get(placement.gateway_id)
+            if outbox is not None and not outbox.subscribed and not outbox.outputs and not any(
+                    p.gateway_id == placement.gateway_id for p in self.placements.values()):
+                del self.outboxes[placement.gateway_id]
+        if not self.placements:
             self._idle.set()
 
     def rejected(self, request_id: str, error: Exception) -> None:
         self._discard(request_id)
         self._rejected.append(cluster_pb2.Rejection(placement_id=request_id, message=str(error)))
-        self._outbox.set()
+        self._urgent.set()
 
     def failed(self, error: EngineDeadError) -> None:
         self._dead = error
         self._stop.set()
 
-    # -- the stream --------------------------------------------------------------------------
+    # -- the token streams (TokenStream service) --------------------------------------------
+
+    async def subscribe(self, gateway_id: str):
+        """One gateway's token stream: its outbox, one TokenBatch per step that had output for it.
+        A second subscription of the same gateway replaces the first."""
+        outbox = self._outbox(gateway_id)
+        if outbox.subscribed:  # the old stream is dead or about to be: wake it so it ends
+            outbox.ready.set()
+        outbox.subscribed = True
+        token = outbox.owner = object()
+        try:
+            while outbox.owner is token and not self._stop.is_set():
+                if not outbox.outputs:
+                    outbox.ready.clear()
+                    await outbox.ready.wait()
+                    continue
+                version, outputs = outbox.queued_version, outbox.outputs
+                outbox.outputs = []
+                yield cluster_pb2.TokenBatch(outputs=outputs)
+                outbox.sent_version = version
+                outbox.sent.set()
+        finally:
+            if outbox.owner is token:
+                outbox.subscribed = False
+                outbox.sent.set()  # a step waiting on it goes on
+
+    # -- the scheduler stream ----------------------------------------------------------------
 
     def _load(self) -> cluster_pb2.LoadReport:
         s = self._stats
@@ -189,30 +269,36 @@ class WorkerService:
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions)
 
     def _register_message(self) -> cluster_pb2.WorkerMessage:
+        running = [cluster_pb2.RunningPlacement(placement_id=pid, request_id=p.request_id, gateway_id=p.gateway_id,
+                                                base_index=p.base_index, num_seqs=p.num_seqs)
+                   for pid, p in self.placements.items()]
         return cluster_pb2.WorkerMessage(register=cluster_pb2.Register(
             worker_id=self.options.worker_id, epoch=self.epoch, model=self.model_name,
-            limits=limits_to_proto(self.engine.limits), pid=os.getpid(), host=socket.gethostname()))
+            limits=limits_to_proto(self.engine.limits), pid=os.getpid(), host=socket.gethostname(),
+            address=self.address, running=running))
 
     async def _outgoing(self):
-        self._connected = True
         yield self._register_message()
         # Everything the pool holds now: after a reconnect the scheduler's index starts from this.
-        # Whatever was queued for the previous stream concerns placements that died with it.
+        # Finishes queued for the previous stream concern placements the new scheduler never hears of.
         self._stored = self.engine.cached_block_hashes()
-        self._outputs, self._rejected, self._removed, self._handed_back = [], [], [], []
-        self._outbox.set()
+        self._finished, self._rejected, self._removed, self._handed_back = [], [], [], []
+        self._urgent.set()
+        last_report = 0.0
         while True:
-            with contextlib.suppress(TimeoutError):  # idle: the load report doubles as the heartbeat
-                await asyncio.wait_for(self._outbox.wait(), self._heartbeat_s)
-            self._outbox.clear()
-            version = self._queued_version
-            msg = cluster_pb2.WorkerMessage(outputs=self._outputs, rejected=self._rejected, load=self._load(),
+            now = time.monotonic()
+            wait = self._heartbeat_s if not (self._stored or self._removed) else \
+                max(0.0, last_report + REPORT_INTERVAL_S - now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), wait)
+            self._urgent.clear()
+            last_report = time.monotonic()
+            msg = cluster_pb2.WorkerMessage(finished=self._finished, rejected=self._rejected, load=self._load(),
                                             blocks_stored=self._stored, blocks_removed=self._removed,
                                             draining=self._draining, handed_back=self._handed_back)
-            self._outputs, self._rejected, self._stored, self._removed, self._handed_back = [], [], [], [], []
+            self._finished, self._rejected, self._stored, self._removed, self._handed_back = [], [], [], [], []
             yield msg
-            self._sent_version = version
-            self._sent.set()
+            self._control_sent.set()
 
     def _handle(self, msg: cluster_pb2.SchedulerMessage) -> None:
         if msg.heartbeat_interval_s > 0:
@@ -229,14 +315,14 @@ class WorkerService:
             except ValueError as e:
                 self.rejected(a.placement_id, e)
                 continue
-            self.active.add(a.placement_id)
+            parent = extract_context(dict(a.trace_context)) if self.tracer is not None and a.trace_context else None
+            self.placements[a.placement_id] = ActivePlacement(
+                a.request_id, a.gateway_id, a.base_index, params.n, [len(a.resume_token_ids)] * params.n, parent)
             self._idle.clear()
-            if self.tracer is not None and a.trace_context:
-                self._traced[a.placement_id] = TracedPlacement(extract_context(dict(a.trace_context)))
 
     async def _session(self) -> None:
         """One connection to the scheduler, until the stream ends or the worker stops."""
-        async with grpc.aio.insecure_channel(self.options.scheduler, options=GRPC_OPTIONS) as channel:
+        async with open_channel(self.options.scheduler, self.options.credentials, GRPC_OPTIONS) as channel:
             call = cluster_pb2_grpc.WorkerHubStub(channel).Connect(self._outgoing())
             reader = asyncio.ensure_future(self._read(call))
             stopper = asyncio.ensure_future(self._stop.wait())
@@ -260,60 +346,89 @@ class WorkerService:
                 await self._session()
             except grpc.aio.AioRpcError as e:
                 logger.warning("scheduler stream at %s: %s", self.options.scheduler, e.details() or e.code())
-            self._connected = False
-            # The scheduler treats a broken stream as this worker's death and moves its placements.
-            for pid in list(self.active):
-                self.engine.abort(pid)
-                self._discard(pid)
+            # Running placements go on: their tokens go to the gateways, and the next Register lists
+            # them (a restarted scheduler adopts them; one that already moved them ends them).
             if not self._stop.is_set():
                 await asyncio.sleep(RECONNECT_DELAY_S)  # back off before dialing again
 
     async def _drain(self) -> None:
         """SIGTERM: readiness off, stop taking work, finish or hand back what runs, then stop."""
-        logger.info("draining %d placements", len(self.active))
+        logger.info("draining %d placements", len(self.placements))
         self._draining = True
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._outbox.set()
+        self._urgent.set()
         try:
-            if self.active:
+            if self.placements:
                 self._idle.clear()
                 try:
                     await asyncio.wait_for(self._idle.wait(), self.options.drain_timeout_s)
                 except TimeoutError:
-                    self._handed_back = sorted(self.active)
+                    self._handed_back = sorted(self.placements)
                     for pid in self._handed_back:
                         self.engine.abort(pid)
                         self._discard(pid)
-                    self._queued_version += 1
-                    self._outbox.set()
-                    await self._until_sent(self._queued_version)  # the hand-back must reach the scheduler
+                    self._control_sent.clear()
+                    self._urgent.set()
+                    with contextlib.suppress(TimeoutError):  # the hand-back must reach the scheduler
+                        await asyncio.wait_for(self._control_sent.wait(), SEND_WAIT_S)
+            # What the last steps made must reach the gateways before the process goes.
+            await self._until_sent([(o, o.queued_version) for o in self.outboxes.values() if o.subscribed])
         finally:
             self._stop.set()
 
+    async def _start_servers(self) -> list[grpc.aio.Server]:
+        o = self.options
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(o.credentials))
+        cluster_pb2_grpc.add_TokenStreamServicer_to_server(TokenStreamService(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        port = add_server_port(server, f"{o.host}:{o.port}", o.credentials)
+        if port == 0:
+            raise SystemExit(f"worker {o.worker_id}: cannot listen on {o.host}:{o.port}")
+        await server.start()
+        host = o.host if o.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        self.address = o.advertise_address or f"{host}:{port}"
+        servers = [server]
+        if o.health_port:  # for probes that hold no credentials: health only
+            probe = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, probe)
+            probe.add_insecure_port(f"{o.host}:{o.health_port}")
+            await probe.start()
+            servers.append(probe)
+        return servers
+
     async def run(self) -> None:
-        server = metrics = None
-        if self.options.metrics_port and self.engine.engine.metrics is not None:
+        metrics = None
+        collector = self.engine.metrics_collector({"model_name": self.model_name})
+        if self.options.metrics_port and collector is not None:
             registry = CollectorRegistry()
-            registry.register(EngineCollector(self.engine.engine, {"model_name": self.model_name}))
-            metrics = await start_metrics_server(registry, "0.0.0.0", self.options.metrics_port,
+            registry.register(collector)
+            metrics = await start_metrics_server(registry, self.options.host, self.options.metrics_port,
                                                  f"worker {self.options.worker_id}")
-        if self.options.health_port:
-            server = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            server.add_insecure_port(f"0.0.0.0:{self.options.health_port}")
-            await server.start()
+        servers = await self._start_servers()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(self._drain()))
-        logger.info("worker %s (epoch %d) serving %s, dialing the scheduler at %s", self.options.worker_id,
-                    self.epoch, self.model_name, self.options.scheduler)
+        logger.info("worker %s (epoch %d) serving %s; tokens at %s; dialing the scheduler at %s",
+                    self.options.worker_id, self.epoch, self.model_name, self.address, self.options.scheduler)
         try:
             await self._connect_loop()
         finally:
             await self.engine.shutdown()
-            if server is not None:
+            for server in servers:
                 await server.stop(0.5)
             if metrics is not None:
                 await metrics.cleanup()
         if self._dead is not None:
             raise SystemExit(f"worker {self.options.worker_id}: {self._dead}")
+
+
+class TokenStreamService(cluster_pb2_grpc.TokenStreamServicer):
+    def __init__(self, worker: WorkerService):
+        self.worker = worker
+
+    async def Subscribe(self, request, context):
+        if not request.gateway_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a subscription needs a gateway id")
+        async for batch in self.worker.subscribe(request.gateway_id):
+            yield batch
+

@@ -97,6 +97,78 @@ class WorkerHub:
             _registered_method=True)
 
 
+class GatewayHubStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Connect = channel.stream_stream(
+                '/metroserve.v1.GatewayHub/Connect',
+                request_serializer=metroserve_dot_rpc_dot_cluster__pb2.GatewayMessage.SerializeToString,
+                response_deserializer=metroserve_dot_rpc_dot_cluster__pb2.GatewayControl.FromString,
+                _registered_method=True)
+
+
+class GatewayHubServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Connect(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_GatewayHubServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=metroserve_dot_rpc_dot_cluster__pb2.GatewayMessage.FromString,
+                    response_serializer=metroserve_dot_rpc_dot_cluster__pb2.GatewayControl.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'metroserve.v1.GatewayHub', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('metroserve.v1.GatewayHub', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class GatewayHub:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/metroserve.v1.GatewayHub/Connect',
+            metroserve_dot_rpc_dot_cluster__pb2.GatewayMessage.SerializeToString,
+            metroserve_dot_rpc_dot_cluster__pb2.GatewayControl.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ClusterStub:
     """Missing associated documentation comment in .proto file."""
 
@@ -158,6 +230,81 @@ class Cluster:
             '/metroserve.v1.Cluster/GetStatus',
             metroserve_dot_rpc_dot_cluster__pb2.ClusterStatusRequest.SerializeToString,
             metroserve_dot_rpc_dot_cluster__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class TokenStreamStub:
+    """Served by each worker, for the gateways.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Subscribe = channel.unary_stream(
+                '/metroserve.v1.TokenStream/Subscribe',
+                request_serializer=metroserve_dot_rpc_dot_cluster__pb2.Subscription.SerializeToString,
+                response_deserializer=metroserve_dot_rpc_dot_cluster__pb2.TokenBatch.FromString,
+                _registered_method=True)
+
+
+class TokenStreamServicer:
+    """Served by each worker, for the gateways.
+    """
+
+    def Subscribe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TokenStreamServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=metroserve_dot_rpc_dot_cluster__pb2.Subscription.FromString,
+                    response_serializer=metroserve_dot_rpc_dot_cluster__pb2.TokenBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'metroserve.v1.TokenStream', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('metroserve.v1.TokenStream', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TokenStream:
+    """Served by each worker, for the gateways.
+    """
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/metroserve.v1.TokenStream/Subscribe',
+            metroserve_dot_rpc_dot_cluster__pb2.Subscription.SerializeToString,
+            metroserve_dot_rpc_dot_cluster__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,
