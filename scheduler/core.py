@@ -208,7 +208,10 @@ class SchedulerCore:
         for worker in self.workers.values():
             for running in [r for r in worker.orphans.values() if r.request_id == request_id]:
                 worker.take_orphan(running.placement_id)
-                self._adopt_placement(worker, state, running)
+                if self._adoptable(state, running):
+                    self._adopt_placement(worker, state, running)
+                else:
+                    worker.end(running.placement_id)
         if not self.in_recovery(now):
             self._recover(state)
 
@@ -219,11 +222,26 @@ class SchedulerCore:
         state.workers.append(worker.worker_id)
         worker.assign(placement, None)
 
+    def _covered(self, state: RequestState) -> set[int]:
+        """Sequences that run somewhere, are being moved, or have finished."""
+        moving = (p for p in self.resuming.values() if p.request is state)
+        covered = {i for p in [*state.placements.values(), *moving] for i in p.indices}
+        return covered | {i for i, reason in enumerate(state.finish_reasons) if reason is not None}
+
+    def _adoptable(self, state: RequestState, running: cluster_pb2.RunningPlacement) -> bool:
+        """A placement a worker reports may be adopted only by a request being rebuilt, and only if
+        none of its sequences is covered already (another copy adopted, or it is being moved)."""
+        indices = range(running.base_index, running.base_index + running.num_seqs)
+        return state.recovering and running.placement_id not in self.resuming and not (
+            set(indices) & self._covered(state))
+
     def _recover(self, state: RequestState) -> None:
         """The recovery window is over for a rebuilt request: migrate its sequences no worker runs."""
         state.recovering = False
-        covered = {i for p in state.placements.values() for i in p.indices}
+        covered = self._covered(state)
         lost = [i for i in range(state.params.n) if i not in covered]
+        if not lost:
+            return
         if len(lost) == state.params.n:
             self._migrate(self._new_placement(state, 0, state.params.n, []))
         else:
@@ -253,8 +271,9 @@ class SchedulerCore:
         except ParamError as e:
             raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(e), param=e.param) from None
         prompt = list(request.token_ids.ids)
-        if not admitted_before:
-            live = self.live_workers()
+        live = self.live_workers()
+        if not admitted_before and (live or not self.in_recovery(time.monotonic())):
+            # Just restarted, with no worker back yet: admitted now, checked when placed.
             if not live:
                 raise AdmissionError(ErrorCode.UNAVAILABLE, "no worker is available", self.options.retry_after_s)
             self._check_limits(prompt, params, live)
@@ -356,9 +375,7 @@ class SchedulerCore:
         self.workers[link.worker_id] = link
         for running in register.running:
             state = self.requests.get(running.request_id)
-            if state is not None and state.recovering and not any(
-                    set(p.indices) & set(range(running.base_index, running.base_index + running.num_seqs))
-                    for p in state.placements.values()):
+            if state is not None and self._adoptable(state, running):
                 self._adopt_placement(link, state, running)
             elif state is None and self.in_recovery(now):
                 link.add_orphan(running)
@@ -452,6 +469,15 @@ class SchedulerCore:
         return expired
 
     def _close_recovery(self) -> None:
+        live = self.live_workers()
+        # What was admitted during the window unchecked (no worker was back) gets its check now.
+        for state in {p.request.request_id: p.request for p in self.queue}.values():
+            try:
+                if not live:
+                    raise RequestError(ErrorCode.UNAVAILABLE, "no worker is available", self.options.retry_after_s)
+                self._check_limits(state.prompt_token_ids, state.params, live)
+            except RequestError as e:
+                self._fail(state, e)
         for worker in self.workers.values():
             for placement_id in list(worker.orphans):
                 worker.take_orphan(placement_id)
@@ -484,10 +510,12 @@ class SchedulerCore:
         for i, index in enumerate(placement.indices):
             reason = resume.finish_reasons[i] if i < len(resume.finish_reasons) else ""
             output = tokens[i] if i < len(tokens) else []
-            if reason and state.finish_reasons[index] is None:
+            if state.finish_reasons[index] is not None:
+                continue  # its worker reported it finished meanwhile
+            if reason:
                 state.finish_reasons[index] = reason
                 state.num_tokens[index] = len(output)
-            elif not reason:
+            else:
                 unfinished.append((index, output))
         if unfinished:
             self.num_migrations += 1

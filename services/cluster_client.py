@@ -83,7 +83,9 @@ class ClusterClient:
         self._connected = False
         self._models: list[generation_pb2.ModelInfo] = []
         self._workers: dict[tuple[str, int], asyncio.Task] = {}  # (worker id, epoch) -> its token stream
+        self._listed: set[tuple[str, int]] = set()  # the workers the scheduler lists now
         self._control: asyncio.Task | None = None
+        self._session = 0  # the current control stream
         self._tracing = tracer("metroserve.gateway") is not None
 
     def start(self) -> None:
@@ -152,9 +154,10 @@ class ClusterClient:
 
     async def ready(self) -> bool:
         """Connected to the scheduler, with at least one worker behind it."""
-        return self._connected and bool(self._workers)
+        return self._connected and bool(self._listed)
 
     async def close(self) -> None:
+        self._listed = set()
         tasks = [t for t in (self._control, *self._workers.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -168,7 +171,8 @@ class ClusterClient:
         while True:
             try:
                 async with open_channel(self.scheduler, self.credentials, GRPC_OPTIONS) as channel:
-                    call = cluster_pb2_grpc.GatewayHubStub(channel).Connect(self._outgoing())
+                    self._session += 1
+                    call = cluster_pb2_grpc.GatewayHubStub(channel).Connect(self._outgoing(self._session))
                     async for msg in call:
                         self._connected = True
                         self._handle(msg)
@@ -178,7 +182,7 @@ class ClusterClient:
             self._connected = False
             await asyncio.sleep(RECONNECT_DELAY_S)
 
-    async def _outgoing(self):
+    async def _outgoing(self, session: int):
         # Every request owned, submitted before or not: a restarted scheduler rebuilds them from
         # this; aborts and answers meant for the previous stream are moot (an unreported request
         # is over for the scheduler; it asks again for what it still needs).
@@ -188,6 +192,8 @@ class ClusterClient:
                                                                               in_flight=in_flight))
         while True:
             await self._wakeup.wait()
+            if session != self._session:
+                return  # a dead call's iterator, which grpc may still run: it must not take messages
             self._wakeup.clear()
             if not (self._submit or self._abort or self._resume):
                 continue
@@ -235,26 +241,33 @@ class ClusterClient:
     # -- the token streams -------------------------------------------------------------------
 
     def _subscribe_to(self, endpoints: Sequence[cluster_pb2.WorkerEndpoint]) -> None:
-        wanted = {(e.worker_id, e.epoch): e for e in endpoints}
-        for key in [k for k in self._workers if k not in wanted]:
-            self._workers.pop(key).cancel()
-        for key, endpoint in wanted.items():
+        """Subscribe to every worker listed. A stream is never cut because a worker is not listed:
+        a restarted scheduler lists workers as they come back, and a batch in flight on a cut stream
+        would be lost. A stream ends when it breaks and its worker is no longer listed."""
+        self._listed = {(e.worker_id, e.epoch) for e in endpoints}
+        for endpoint in endpoints:
+            key = (endpoint.worker_id, endpoint.epoch)
             if key not in self._workers:
-                self._workers[key] = asyncio.ensure_future(self._token_stream(endpoint.worker_id, endpoint.address))
+                self._workers[key] = asyncio.ensure_future(self._token_stream(key, endpoint.address))
 
-    async def _token_stream(self, worker_id: str, address: str) -> None:
-        """Subscribe to one worker's tokens, and again whenever the stream breaks, until the
-        scheduler no longer lists the worker."""
-        while True:
-            try:
-                async with open_channel(address, self.credentials, GRPC_OPTIONS) as channel:
-                    call = cluster_pb2_grpc.TokenStreamStub(channel).Subscribe(
-                        cluster_pb2.Subscription(gateway_id=self.gateway_id))
-                    async for batch in call:
-                        self._deliver(batch)
-            except grpc.aio.AioRpcError as e:
-                logger.info("token stream of %s at %s: %s", worker_id, address, e.details() or e.code())
-            await asyncio.sleep(RECONNECT_DELAY_S)
+    async def _token_stream(self, key: tuple[str, int], address: str) -> None:
+        """Subscribe to one worker's tokens, and again whenever the stream breaks while the
+        scheduler lists the worker."""
+        try:
+            while True:
+                try:
+                    async with open_channel(address, self.credentials, GRPC_OPTIONS) as channel:
+                        call = cluster_pb2_grpc.TokenStreamStub(channel).Subscribe(
+                            cluster_pb2.Subscription(gateway_id=self.gateway_id))
+                        async for batch in call:
+                            self._deliver(batch)
+                except grpc.aio.AioRpcError as e:
+                    logger.info("token stream of %s at %s: %s", key[0], address, e.details() or e.code())
+                if key not in self._listed:
+                    return
+                await asyncio.sleep(RECONNECT_DELAY_S)
+        finally:
+            self._workers.pop(key, None)
 
     def _deliver(self, batch: cluster_pb2.TokenBatch) -> None:
         for out in batch.outputs:

@@ -106,6 +106,23 @@ class ServeStack:
                  f"all {self.num_workers} workers to register", 0.2)
         return self
 
+    def child_pids(self, component: str) -> list[int]:
+        """Pids of serve's live children running `metroserve <component>` ("scheduler", "gateway", "worker")."""
+        assert self.proc is not None
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid and b"metroserve.services.cli" in argv and component.encode() in argv:
+                pids.append(int(entry.name))
+        return pids
+
     def metrics_url(self, component: str) -> str:
         """/metrics of "gateway", "scheduler" or "worker-<i>"."""
         if component == "gateway":

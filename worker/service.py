@@ -117,6 +117,7 @@ class WorkerService:
         self._urgent = asyncio.Event()  # something the scheduler must hear now
         self._control_sent = asyncio.Event()  # a message went to the scheduler
         self._heartbeat_s = 1.0
+        self._session_number = 0  # of the current scheduler stream
         self._draining = False
         self._stop = asyncio.Event()
         self._dead: EngineDeadError | None = None
@@ -277,7 +278,7 @@ class WorkerService:
             limits=limits_to_proto(self.engine.limits), pid=os.getpid(), host=socket.gethostname(),
             address=self.address, running=running))
 
-    async def _outgoing(self):
+    async def _outgoing(self, session: int):
         yield self._register_message()
         # Everything the pool holds now: after a reconnect the scheduler's index starts from this.
         # Finishes queued for the previous stream concern placements the new scheduler never hears of.
@@ -291,6 +292,8 @@ class WorkerService:
                 max(0.0, last_report + REPORT_INTERVAL_S - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), wait)
+            if session != self._session_number:
+                return  # a dead call's iterator, which grpc may still run: it must not take messages
             self._urgent.clear()
             last_report = time.monotonic()
             msg = cluster_pb2.WorkerMessage(finished=self._finished, rejected=self._rejected, load=self._load(),
@@ -323,7 +326,8 @@ class WorkerService:
     async def _session(self) -> None:
         """One connection to the scheduler, until the stream ends or the worker stops."""
         async with open_channel(self.options.scheduler, self.options.credentials, GRPC_OPTIONS) as channel:
-            call = cluster_pb2_grpc.WorkerHubStub(channel).Connect(self._outgoing())
+            self._session_number += 1
+            call = cluster_pb2_grpc.WorkerHubStub(channel).Connect(self._outgoing(self._session_number))
             reader = asyncio.ensure_future(self._read(call))
             stopper = asyncio.ensure_future(self._stop.wait())
             try:
