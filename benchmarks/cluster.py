@@ -7,18 +7,25 @@ every worker's token stream, then drives C concurrent streaming clients through 
 REST API (/v1/completions, stream=true, ignore_eos, max_tokens fixed, requests round-robin over the
 gateways). The client is its own process, so its CPU is measured too. The cluster grows across
 the sweep: one scheduler; workers are added as W grows; all gateways start up front and a run
-sends to (and counts) only its first G.
+sends to (and counts) only its first G. Every prompt of the sweep is unique (its first two token
+ids number the request), so no run finds prefix-cache hits an earlier one left: those would pack
+requests onto the workers holding them.
 
 Each run is closed-loop: the C client streams start spread over one request's duration, warm up,
 then a measured window of --duration seconds, then the streams finish their last requests. Over
 the window it reports tokens/s and requests/s delivered to the client (a token counts when its SSE
 event arrives); CPU seconds per 1,000 tokens and per request of each process kind (scheduler,
 gateways summed, workers summed, client), the on-CPU time of all their threads (/proc, to the
-nanosecond: 10 ms ticks are too coarse for the scheduler's share of a window); "other cores" (what else
-kept this machine's cores busy, from /proc/stat: the comparison is fair only near 0); the
-scheduler's placement latency (the request log's queue_s: admission to first assignment inside the
-scheduler, which includes waiting for a free slot when every worker is full); TTFT and ITL at the
-client.
+nanosecond: 10 ms ticks are too coarse for the scheduler's share of a window); "other cores"
+(what else kept this machine's cores busy, from /proc/stat: the comparison is fair only near 0);
+the scheduler's placement latency (the request log's queue_s: admission to first assignment,
+wall time inside the scheduler, so it includes waiting for a free slot when every worker is full
+and any preemption of the scheduler by the other processes); TTFT and ITL at the client; and how
+many sequences the scheduler had on each worker at the window's end.
+
+CPU per token depends on the load: a process woken for every step pays a wakeup each time (on
+this project's 2-core VM, an event loop waking every 50 ms spent ~100 us of CPU per wakeup, against
+~2 us back to back), so light loads over many workers cost more per token than busy ones.
 
 "Added over the mock's own step time": each mock step sleeps step = --mock-step-fixed-ms
 (+ per prompt token and per decoding sequence, both 0 by default, so a step is exactly the fixed
@@ -26,7 +33,10 @@ part). Between two tokens of a sequence the worker runs exactly one step, so ITL
 what the worker's loop, the token stream, the gateway and the client's socket add. The first token
 needs one step (with the prompt) after the request reaches its worker, and the request also waits
 for the step under way there to end: TTFT minus one step is the service path (REST, admission,
-placement, assignment, the token stream) plus that wait, between 0 and one step.
+placement, assignment, the token stream) plus that wait, between 0 and one step. In this closed
+loop a request is sent just after its predecessor's last token and goes to the worker that just
+freed the slot, which has begun its next step if other sequences run there: the wait is then
+nearly a whole step (with one sequence per worker, about none).
 
 Placement mode drives the scheduler's core in this process, without gRPC: SchedulerCore with
 --placement-workers fake workers and a prefix index of --index-blocks blocks (random ones spread
@@ -327,6 +337,27 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def established_remote_ports(pid: int) -> set[int]:
+    """Remote ports of the process's established TCP connections (its socket inodes in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.scandir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(fd.path)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)  # the header
+            for line in f:
+                fields = line.split()  # sl, local, remote, state (01: ESTABLISHED), ..., inode (10th)
+                if fields[3] == "01" and fields[9] in inodes:
+                    ports.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def busy_core_seconds() -> float:
     """CPU seconds all cores of this machine spent busy since boot (/proc/stat)."""
     with open("/proc/stat") as f:
@@ -408,7 +439,6 @@ class Cluster:
 
     def _ready(self) -> bool:
         import grpc
-        import psutil
 
         try:
             status = self.status()
@@ -422,9 +452,7 @@ class Cluster:
             if not self._healthy(port):
                 return False
             # Subscribed to every worker's token stream: an open connection to each token port.
-            connected = {c.raddr.port for c in psutil.Process(proc.pid).net_connections(kind="tcp")
-                         if c.raddr and c.status == psutil.CONN_ESTABLISHED}
-            if not token_ports <= connected:
+            if not token_ports <= established_remote_ports(proc.pid):
                 return False
         return True
 
@@ -485,10 +513,14 @@ def placement_latencies(scheduler_log: Path, start: int, end: int) -> list[float
     values = []
     for line in text.splitlines():
         at = line.find(marker)
-        if at >= 0:
+        if at < 0:
+            continue
+        try:
             queue_s = json.loads(line[at + len(marker):]).get("queue_s")
-            if queue_s is not None:
-                values.append(queue_s)
+        except ValueError:  # a line cut by the window's edge
+            continue
+        if queue_s is not None:
+            values.append(queue_s)
     return values
 
 
@@ -572,7 +604,8 @@ def measure_run(cluster: Cluster, args: argparse.Namespace, workers: int, gatewa
 
 
 def default_model_vocab(model: str | None) -> tuple[Path, int]:
-    """The gateways' model directory (a GGUF converted once, here) and its tokenizer's vocabulary size."""
+    """The gateways' model directory (a GGUF converted once, here) and its vocabulary size (config.json's,
+    else the tokenizer's): the mock workers draw token ids below it."""
     from metroserve.common.tokenizer import load_tokenizer
     from metroserve.worker.model_files import resolve_model_dir
 
@@ -727,7 +760,8 @@ def _pair(stats: dict[str, Any], digits: int = 1) -> str:
 
 
 def _cost_table(runs: list[dict[str, Any]]) -> list[str]:
-    lines = ["| W | G | C | tok/s | ideal tok/s | req/s | sched CPU s/1k tok | x lower than before | "
+    lines = ["| W | G | C | tok/s | ideal tok/s | req/s | sched CPU s/1k tok | "
+             f"x lower than before ({BEFORE_SCHEDULER_CPU_S_PER_1K}; target >= {TARGET_FACTOR}x) | "
              "gateways CPU s/1k tok | workers CPU s/1k tok | client CPU s/1k tok | sched ms/req | "
              "gateways ms/req | workers ms/req | other cores | failed |", "|" + "---|" * 16]
     for r in runs:

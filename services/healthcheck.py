@@ -2,12 +2,14 @@
 
 Container health checks run this against the scheduler and the workers, which serve the standard
 grpc.health.v1 service: the slim image has no grpc_health_probe binary, and this imports only grpc,
-so a check costs well under a second.
+so a check costs well under a second. The scheduler's port requires the cluster secret: it is sent
+when METROSERVE_CLUSTER_SECRET is set (compose sets it in every metroserve container).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -17,9 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 def check(target: str, service: str = "", timeout: float = 3.0) -> str | None:
     """None when `service` at `target` is SERVING, else a short reason (status or RPC error)."""
     request = health_pb2.HealthCheckRequest(service=service)
+    # Names from metroserve.rpc.auth, spelled out: importing it would load the generated stubs too.
+    secret = os.environ.get("METROSERVE_CLUSTER_SECRET")
+    metadata = (("metroserve-cluster-secret", secret),) if secret else None
     try:
         with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as error:
         return f"{error.code().name}: {' '.join(str(error.details()).split())}"  # one line
     if reply.status == health_pb2.HealthCheckResponse.SERVING:

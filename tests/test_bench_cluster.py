@@ -46,7 +46,7 @@ def test_tiny_sweep_through_the_cli_reports_every_component(tiny_model_dir, tmp_
     (run,) = report["runs"]
     assert all(field in run for field in RUN_FIELDS)
     assert (run["workers"], run["gateways"], run["concurrency"]) == (2, 1, 4)
-    assert run["tokens"] > 0 and run["requests"] > 0
+    assert run["tokens"] > 0 and run["requests"] > 0 and run["prefix_hit_tokens"] == 0
     assert run["failed"] == 0 and run["completed"] == run["sent"] > 0, run["errors"]
     assert set(run["cpu_s_per_1k_tokens"]) == KINDS
     assert math.isfinite(run["cpu_s_per_1k_tokens"]["scheduler"]) and run["cpu_s_per_1k_tokens"]["scheduler"] > 0

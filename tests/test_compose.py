@@ -146,6 +146,14 @@ def test_gateway_publishes_rest_and_grpc_and_passes_the_api_key(services):
     assert gateway["depends_on"]["scheduler"]["condition"] == "service_healthy"
 
 
+def test_every_metroserve_service_requires_the_cluster_secret_from_the_host(services):
+    """The containers authenticate each other with METROSERVE_CLUSTER_SECRET; compose refuses to
+    start without it (`${VAR:?...}`) rather than run an open internal plane."""
+    for name in ("scheduler", "worker", "gateway"):
+        secret = services[name]["environment"]["METROSERVE_CLUSTER_SECRET"]
+        assert secret.startswith("${METROSERVE_CLUSTER_SECRET:?"), (name, secret)
+
+
 def _healthcheck_port(argv: list[str]) -> str | None:
     """The port a healthcheck probes when it is one of the known forms, else None."""
     match argv:

@@ -112,7 +112,7 @@ def test_one_structured_log_line_per_finished_request(stack):
     assert record["workers"] == ["worker-0"]
     assert (record["prompt_tokens"], record["completion_tokens"]) == (4, 3)
     assert record["finish_reasons"] == ["length"]
-    assert 0 <= record["queue_s"] <= record["ttft_s"] <= record["e2e_s"]
+    assert 0 <= record["queue_s"] <= record["e2e_s"]
     assert sum(r.id in line for line in stack.log_tail(10**7).splitlines()) == 1  # one line, none per token
 
 

@@ -247,14 +247,9 @@ def test_grpc_gateway_invalid_argument(stack, name):
     assert err.details()
 
 
-def test_grpc_scheduler_refuses_text_prompt(stack):
-    err = _grpc_generate(stack.scheduler_address, generation_pb2.GenerateRequest(text="hi", params=_params()))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "token ids" in err.details()
-
-
-def test_grpc_scheduler_refuses_bad_token_ids(stack):
-    err = _grpc_generate(stack.scheduler_address, generation_pb2.GenerateRequest(
+def test_grpc_gateway_refuses_bad_token_ids(stack):
+    """Token ids go to the scheduler's admission, which checks them against the workers' limits."""
+    err = _grpc_generate(f"127.0.0.1:{stack.grpc_port}", generation_pb2.GenerateRequest(
         token_ids=generation_pb2.TokenIds(ids=[5] * 2100), params=_params()))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
 

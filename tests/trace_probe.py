@@ -36,7 +36,8 @@ async def probe(model_dir: str, exporter: InMemorySpanExporter) -> None:
     config = EngineConfig(model=model_dir, kv_cache_memory="64MiB")
     worker = WorkerService(lambda sink: AsyncEngine(config, detokenize=False, sink=sink, record_block_events=True,
                                                     step_inline=True),
-                           served_model_name(model_dir), WorkerOptions(scheduler=f"127.0.0.1:{scheduler_port}", worker_id="probe-worker"))
+                           served_model_name(model_dir),
+                           WorkerOptions(scheduler=f"127.0.0.1:{scheduler_port}", worker_id="probe-worker"))
     worker_task = asyncio.ensure_future(worker.run())
     gateway = asyncio.ensure_future(run_gateway(GatewayOptions(scheduler=f"127.0.0.1:{scheduler_port}",
                                                                port=rest_port, grpc_port=0, model=model_dir), stop))
