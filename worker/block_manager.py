@@ -1,6 +1,6 @@
 """BlockManager: ref-counted KV blocks with automatic prefix caching.
 
-Every full block of a sequence gets a chained content hash (``kvstore.block_hash``). A block whose
+Every full block of a sequence gets a chained content hash (``metroserve.common.block_hash``). A block whose
 ref count drops to zero keeps its contents and its hash: it sits in the free queue, reusable by any
 later sequence with the same prefix until it is evicted by an allocation. The free queue is LRU:
 a finished sequence releases its chain tail first, so a shared system prompt (the chain's head)
