@@ -18,6 +18,7 @@ event arrives); CPU seconds per 1,000 tokens and per request of each process kin
 gateways summed, workers summed, client), the on-CPU time of all their threads (/proc, to the
 nanosecond: 10 ms ticks are too coarse for the scheduler's share of a window); "other cores"
 (what else kept this machine's cores busy, from /proc/stat: the comparison is fair only near 0);
+how long each kind's threads were runnable but waited for a core (CPU starvation, same source);
 the scheduler's placement latency (the request log's queue_s: admission to first assignment,
 wall time inside the scheduler, so it includes waiting for a free slot when every worker is full
 and any preemption of the scheduler by the other processes); TTFT and ITL at the client; and how
@@ -323,18 +324,21 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def cpu_seconds(pid: int) -> float:
-    """On-CPU seconds of one process, every live thread (children not), from /proc/<pid>/task/*/schedstat:
-    exact to the nanosecond, where /proc/<pid>/stat's utime + stime count 10 ms ticks (too coarse for
-    a scheduler that is busy for a few hundred ms of a window). A thread that exited is not counted."""
-    total = 0
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(on-CPU seconds, seconds runnable but waiting for a core) of one process, every live thread
+    (children not), from /proc/<pid>/task/*/schedstat: exact to the nanosecond, where
+    /proc/<pid>/stat's utime + stime count 10 ms ticks (too coarse for a scheduler that is busy for
+    a few hundred ms of a window). A thread that exited is not counted."""
+    on_cpu = waiting = 0
     for task in os.scandir(f"/proc/{pid}/task"):
         try:
             with open(f"{task.path}/schedstat") as f:
-                total += int(f.read().split()[0])
+                fields = f.read().split()
         except FileNotFoundError:  # the thread ended meanwhile
             continue
-    return total / 1e9
+        on_cpu += int(fields[0])
+        waiting += int(fields[1])
+    return on_cpu / 1e9, waiting / 1e9
 
 
 def established_remote_ports(pid: int) -> set[int]:
@@ -487,7 +491,7 @@ class Cluster:
 @dataclass
 class Snapshot:
     at: float
-    cpu: dict[int, float]
+    cpu: dict[int, tuple[float, float]]  # pid -> cpu_seconds()
     busy: float
     log_offset: int
 
@@ -578,7 +582,8 @@ def measure_run(cluster: Cluster, args: argparse.Namespace, workers: int, gatewa
             client.kill()
     window = after.at - before.at
     tokens, requests = tally.window_tokens, tally.window_completed
-    cpu = {kind: sum(after.cpu[pid] - before.cpu[pid] for pid in group) for kind, group in kinds.items()}
+    cpu = {kind: sum(after.cpu[pid][0] - before.cpu[pid][0] for pid in group) for kind, group in kinds.items()}
+    waiting = {kind: sum(after.cpu[pid][1] - before.cpu[pid][1] for pid in group) for kind, group in kinds.items()}
     ours = sum(cpu.values())
     queue_s = placement_latencies(cluster.scheduler_log, before.log_offset, after.log_offset)
     return {
@@ -591,6 +596,8 @@ def measure_run(cluster: Cluster, args: argparse.Namespace, workers: int, gatewa
         "cpu_s_per_1k_tokens": {k: v / tokens * 1000 if tokens else None for k, v in cpu.items()},
         "cpu_ms_per_request": {k: v / requests * 1000 if requests else None for k, v in cpu.items()},
         "cores": {k: v / window for k, v in cpu.items()},
+        # Seconds per second the kind's threads were runnable but had no core (summed): CPU starvation.
+        "runqueue_wait": {k: v / window for k, v in waiting.items()},
         "other_cores": (after.busy - before.busy - ours) / window,
         # Sequences the scheduler had on each worker at the window's end, most first: how evenly it spread them.
         "placed_per_worker_at_end": sorted((w.num_placed for w in status.workers), reverse=True),
@@ -777,12 +784,14 @@ def _cost_table(runs: list[dict[str, Any]]) -> list[str]:
 
 def _latency_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = ["| W | G | placement p50 / p99 ms | TTFT p50 / p99 ms | TTFT added p50 / p99 ms | ITL p50 / p99 ms | "
-             "ITL added p50 / p99 ms | cores: sched / gateways / workers / client |", "|" + "---|" * 8]
+             "ITL added p50 / p99 ms | cores: sched / gateways / workers / client | "
+             "waiting for a core, s/s: sched / gateways / workers / client |", "|" + "---|" * 9]
     for r in runs:
-        c = r["cores"]
+        c, w = r["cores"], r["runqueue_wait"]
         lines.append(f"| {r['workers']} | {r['gateways']} | {_pair(r['placement_ms'], 3)} | {_pair(r['ttft_ms'])} | "
                      f"{_pair(r['ttft_added_ms'])} | {_pair(r['itl_ms'])} | {_pair(r['itl_added_ms'])} | "
-                     f"{c['scheduler']:.2f} / {c['gateways']:.2f} / {c['workers']:.2f} / {c['client']:.2f} |")
+                     f"{c['scheduler']:.2f} / {c['gateways']:.2f} / {c['workers']:.2f} / {c['client']:.2f} | "
+                     f"{w['scheduler']:.2f} / {w['gateways']:.2f} / {w['workers']:.2f} / {w['client']:.2f} |")
     return lines
 
 

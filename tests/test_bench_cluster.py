@@ -14,8 +14,8 @@ import pytest
 from metroserve.benchmarks.cluster import _DONE, SseTokenCounter, run_placement
 from tests.stack import ROOT
 
-RUN_FIELDS = ("tokens_per_s", "requests_per_s", "cpu_s", "cpu_s_per_1k_tokens", "cpu_ms_per_request", "other_cores",
-              "placement_ms", "ttft_ms", "itl_ms", "ttft_added_ms", "itl_added_ms", "mock_step_ms")
+RUN_FIELDS = ("tokens_per_s", "requests_per_s", "cpu_s", "cpu_s_per_1k_tokens", "cpu_ms_per_request", "runqueue_wait",
+              "other_cores", "placement_ms", "ttft_ms", "itl_ms", "ttft_added_ms", "itl_added_ms", "mock_step_ms")
 KINDS = {"scheduler", "gateways", "workers", "client"}
 
 

@@ -27,7 +27,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     vocab = limits.vocab_size
     if n == 0:
         raise ParamError("prompt", "prompt is empty")
-    if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+    # C-level passes (map, set, min, max): this runs for every request the scheduler admits.
+    if set(map(type, prompt_token_ids)) != {int} or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
         raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
     if n >= limits.max_model_len:
         raise ParamError("prompt", f"prompt has {n} tokens but the maximum context length is "
