@@ -387,6 +387,7 @@ class Cluster:
         self.workers: list[subprocess.Popen] = []
         # Requests sent so far: a later run's prompts must not hit the prefix caches an earlier one filled.
         self.requests_sent = 0
+        self.scheduler_starts = 0
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{name}.log", "wb") as out:  # the child writes through its own descriptor
@@ -398,12 +399,18 @@ class Cluster:
         return self.log_dir / "scheduler.log"
 
     def start(self, num_gateways: int) -> None:
-        self.scheduler = self._spawn("scheduler", ["scheduler", "--port", self.scheduler_address.split(":")[1]])
+        self.restart_scheduler()
         for i in range(num_gateways):
             port = free_port()
             self.gateways.append((self._spawn(f"gateway-{i}", [
                 "gateway", "--scheduler", self.scheduler_address, "--port", str(port), "--grpc-port", "0",
                 "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL]), port))
+
+    def restart_scheduler(self) -> None:
+        """Start the scheduler (again, after it died: on the same port, as `serve` would)."""
+        name = "scheduler" if not self.scheduler_starts else f"scheduler-{self.scheduler_starts}"
+        self.scheduler_starts += 1
+        self.scheduler = self._spawn(name, ["scheduler", "--port", self.scheduler_address.split(":")[1]])
 
     def grow(self, num_workers: int) -> None:
         a = self.args

@@ -35,6 +35,9 @@ class WorkerLink:
         self.orphans: dict[str, cluster_pb2.RunningPlacement] = {}
         self.inflight_blocks: Counter = Counter()
         self.num_placed_seqs = 0
+        # Prefill tokens of placements the worker may not have computed yet (reported fewer than
+        # twice since placed): kept as a sum, since placement reads it for every candidate worker.
+        self._queued_prefill = 0
         self._assign: list[cluster_pb2.Assignment] = []
         self._end: list[cluster_pb2.PlacementEnd] = []
         self.wakeup = asyncio.Event()
@@ -45,7 +48,7 @@ class WorkerLink:
         return self.limits.max_num_seqs - self.num_placed_seqs
 
     def queued_prefill_tokens(self) -> int:
-        return sum(p.prefill_tokens for p in self.placements.values() if p.reports_since_placed < 2)
+        return self._queued_prefill
 
     def load_view(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, self.num_placed_seqs, self.queued_prefill_tokens(),
@@ -53,8 +56,12 @@ class WorkerLink:
 
     def load_reported(self, load: cluster_pb2.LoadReport) -> None:
         self.load = load
+        if not self._queued_prefill:
+            return
         for placement in self.placements.values():
             placement.reports_since_placed += 1
+            if placement.reports_since_placed == 2:
+                self._queued_prefill -= placement.prefill_tokens
 
     def assign(self, placement: Placement, assignment: cluster_pb2.Assignment | None) -> None:
         """Place it here; `assignment` None: the worker runs it already (adopted after a restart)."""
@@ -62,6 +69,8 @@ class WorkerLink:
         self.placements[placement.placement_id] = placement
         self.inflight_blocks.update(placement.block_hashes)
         self.num_placed_seqs += placement.num_seqs
+        if placement.reports_since_placed < 2:
+            self._queued_prefill += placement.prefill_tokens
         if assignment is not None:
             self._assign.append(assignment)
             self.wakeup.set()
@@ -88,6 +97,8 @@ class WorkerLink:
             if self.inflight_blocks[h] <= 0:
                 del self.inflight_blocks[h]
         self.num_placed_seqs -= placement.num_seqs
+        if placement.reports_since_placed < 2:
+            self._queued_prefill -= placement.prefill_tokens
         if abort:
             unsent = [a for a in self._assign if a.placement_id != placement.placement_id]
             if len(unsent) < len(self._assign):  # never reached the worker: nothing to abort there
