@@ -128,8 +128,10 @@ class ClusterClient:
                     return
         finally:
             self._requests.pop(request_id, None)
+            unsent = any(s is submission for s in self._submit)
             self._submit = [s for s in self._submit if s is not submission]
-            if not owned.ended and owned.admitted.done() and owned.admitted.exception() is None:
+            refused = owned.admitted.done() and owned.admitted.exception() is not None
+            if not owned.ended and not unsent and not refused:  # admitted, or sent and not answered yet
                 self._queue_abort(owned, [generation_pb2.SequenceEnd(index=i, finish_reason="abort", num_tokens=len(t))
                                           for i, t in enumerate(owned.tokens) if not owned.finish_reasons[i]])
 
