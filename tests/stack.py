@@ -73,6 +73,47 @@ def metric_value(samples: dict, name: str, **labels) -> float:
     return samples.get(("metroserve:" + name, tuple(sorted(labels.items()))), 0.0)
 
 
+def stream_completions(base_url: str, model: str, prompts: list[str], max_tokens: int, on_progress=None,
+                       started_at: int = 5) -> list[tuple[str, str | None, int]]:
+    """Stream every prompt at once through the OpenAI client (greedy, ignore_eos); returns each
+    one's (text, finish reason, completion tokens). Once every stream has `started_at` chunks,
+    `await on_progress(progress)` runs (progress: prompt index -> chunks so far), e.g. to kill a
+    process mid-run, while the streams go on as tasks of the same loop."""
+    import asyncio
+    from collections import Counter
+
+    import openai
+
+    progress: Counter[int] = Counter()
+
+    async def one(client, i: int):
+        stream = await client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        text, finish, tokens = [], None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+                progress[i] += 1
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return "".join(text), finish, tokens
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        tasks = [asyncio.ensure_future(one(client, i)) for i in range(len(prompts))]
+        if on_progress is not None:
+            deadline = asyncio.get_running_loop().time() + 120
+            while not (len(progress) == len(prompts) and min(progress.values()) >= started_at):
+                assert asyncio.get_running_loop().time() < deadline, "streams did not start"
+                await asyncio.sleep(0.01)
+            await on_progress(progress)
+        return await asyncio.gather(*tasks)
+
+    return asyncio.run(run())
+
+
 class ServeStack:
     def __init__(self, model: Path | str, workers: int = 1, extra_args: Sequence[str] = (),
                  log_path: Path | None = None, env: dict | None = None):

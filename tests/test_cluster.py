@@ -15,7 +15,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.redis_server import RedisServer
-from tests.stack import ROOT, ServeStack, wait_for
+from tests.stack import ROOT, ServeStack, stream_completions, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -126,36 +126,7 @@ def test_disconnects_free_every_block(stack):
 
 
 def _long_streams(stack, prompts: list[str], max_tokens: int, on_progress=None):
-    """Stream every prompt at once (greedy, ignore_eos); on_progress(counter) runs as tokens arrive
-    and may return an awaitable once, e.g. to kill a worker mid-run. Returns (text, finish, tokens)."""
-    progress: Counter[int] = Counter()  # prompt index -> text chunks received
-
-    async def one(client, i: int):
-        stream = await client.completions.create(model="tiny", prompt=prompts[i], max_tokens=max_tokens, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True},
-                                                 stream_options={"include_usage": True})
-        text, finish, tokens = [], None, 0
-        async for chunk in stream:
-            if chunk.choices:
-                text.append(chunk.choices[0].text)
-                finish = chunk.choices[0].finish_reason or finish
-                progress[i] += 1
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
-        return "".join(text), finish, tokens
-
-    async def run():
-        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
-        tasks = [asyncio.ensure_future(one(client, i)) for i in range(len(prompts))]
-        if on_progress is not None:
-            deadline = asyncio.get_running_loop().time() + 120
-            while not (len(progress) == len(prompts) and min(progress.values()) >= 10):  # all under way
-                assert asyncio.get_running_loop().time() < deadline, "streams did not start"
-                await asyncio.sleep(0.01)
-            await on_progress()
-        return await asyncio.gather(*tasks)
-
-    return asyncio.run(run())
+    return stream_completions(stack.base_url, "tiny", prompts, max_tokens, on_progress, started_at=10)
 
 
 def test_sigterm_drain_hands_back_unfinished_work(stack, tiny_model_dir, tmp_path):
@@ -201,7 +172,7 @@ def test_worker_killed_mid_stream_loses_nothing(stack):
     migrations_before = stack.cluster_status().num_migrations
     killed = {}
 
-    async def kill_busiest_worker():
+    async def kill_busiest_worker(progress):
         # Read on the loop's own thread, blocking it for a moment: from a helper thread the call
         # competed for the GIL with this loop parsing thousands of SSE chunks a second, and on a busy
         # 2-core machine the kill landed after the victim's streams had finished.
@@ -229,7 +200,7 @@ def test_scheduler_killed_mid_stream_loses_nothing(stack):
     stack.wait_idle()
     killed: dict = {}
 
-    async def kill_scheduler():
+    async def kill_scheduler(progress):
         (pid,) = stack.child_pids("scheduler")
         assert stack.cluster_status().num_active_requests == len(prompts)
         os.kill(pid, signal.SIGKILL)

@@ -10,13 +10,11 @@ import argparse
 import asyncio
 import os
 import signal
-from collections import Counter
 
-import openai
 import pytest
 
 from metroserve.benchmarks.cluster import Cluster, default_model_vocab
-from tests.stack import wait_for
+from tests.stack import stream_completions, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -40,36 +38,8 @@ def cluster(tmp_path_factory):
 
 
 def _streams(cluster, on_progress=None) -> list[tuple[str, str | None, int]]:
-    """The 16 prompts streamed at once (greedy); on_progress() runs once every stream is under way."""
-    progress: Counter[int] = Counter()
     (_, port), = cluster.gateways
-
-    async def one(client, i: int):
-        stream = await client.completions.create(model="mock", prompt=PROMPTS[i], max_tokens=120, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True},
-                                                 stream_options={"include_usage": True})
-        text, finish, tokens = [], None, 0
-        async for chunk in stream:
-            if chunk.choices:
-                text.append(chunk.choices[0].text)
-                finish = chunk.choices[0].finish_reason or finish
-                progress[i] += 1
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
-        return "".join(text), finish, tokens
-
-    async def run():
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        tasks = [asyncio.ensure_future(one(client, i)) for i in range(len(PROMPTS))]
-        if on_progress is not None:
-            deadline = asyncio.get_running_loop().time() + 60
-            while not (len(progress) == len(PROMPTS) and min(progress.values()) >= 5):
-                assert asyncio.get_running_loop().time() < deadline, "streams did not start"
-                await asyncio.sleep(0.01)
-            await on_progress(progress)
-        return await asyncio.gather(*tasks)
-
-    return asyncio.run(run())
+    return stream_completions(f"http://127.0.0.1:{port}/v1", "mock", PROMPTS, 120, on_progress)
 
 
 def test_restarted_scheduler_adopts_running_streams(cluster):

@@ -29,7 +29,7 @@ from metroserve.worker.config import EngineConfig, parse_size
 from metroserve.worker.cpu_allocator import keep_freed_memory
 from metroserve.worker.gpu_memory import kv_budget_bytes, profile_step_peak
 from metroserve.worker.kv_cache import KVCache
-from metroserve.worker.metrics import EngineMetrics, EngineStats
+from metroserve.worker.metrics import EngineMetrics, EngineStats, KVPeak, engine_stats
 from metroserve.worker.model_files import resolve_model_dir
 from metroserve.worker.model_loader import load_model
 from metroserve.worker.model_runner import ModelRunner
@@ -105,8 +105,7 @@ class LLMEngine:
         self.speculator = Speculator(spec_config, self.max_model_len) if spec_config is not None else None
         self.requests: dict[str, Request] = {}
         self.metrics = None if config.disable_log_stats else EngineMetrics()
-        self._peak_used_blocks = 0
-        self._efficiency_at_peak = 1.0
+        self._kv_peak = KVPeak()
 
     # -- set-up helpers ----------------------------------------------------------------------
 
@@ -227,7 +226,7 @@ class LLMEngine:
         batch = self.batcher.schedule_step()
         if not batch:
             return []
-        self._track_kv_efficiency(batch)
+        self._kv_peak.observe(self.batcher, batch)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -332,30 +331,6 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def _track_kv_efficiency(self, batch) -> None:
-        used = self.block_manager.num_used_blocks
-        if used <= self._peak_used_blocks:
-            return
-        bs = self.block_manager.block_size
-        scheduled = dict(zip(map(id, batch.seqs), batch.num_new_tokens))
-        # Shared full blocks count once in `used`; only each sequence's tail block can hold empty slots.
-        empty = sum(len(s.block_table) * bs - s.num_computed_tokens - scheduled.get(id(s), 0)
-                    for s in self.batcher.running)
-        self._peak_used_blocks = used
-        self._efficiency_at_peak = 1.0 - empty / (used * bs)
-
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            num_running=len(self.batcher.running),
-            num_waiting=len(self.batcher.waiting),
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_blocks,
-            prefix_cache_queries=bm.stats.queries,
-            prefix_cache_hits=bm.stats.hits,
-            prefix_cache_evictions=bm.stats.evictions,
-            num_preemptions=self.batcher.num_preemptions,
-            peak_used_blocks=self._peak_used_blocks,
-            kv_efficiency_at_peak=self._efficiency_at_peak,
-            spec_decode=replace(self.speculator.stats) if self.speculator is not None else None,
-        )
+        spec = replace(self.speculator.stats) if self.speculator is not None else None
+        return engine_stats(self.batcher, self._kv_peak, spec)

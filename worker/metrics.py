@@ -21,6 +21,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
+    from metroserve.worker.batcher import Batcher, ScheduledBatch
     from metroserve.worker.sequence import Request
     from metroserve.worker.spec_decode.speculator import SpecDecodeStats
 
@@ -119,6 +120,36 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class KVPeak:
+    """The KV pool's peak use in blocks, and at that peak the share of their slots holding tokens
+    (shared full blocks count once; only a sequence's tail block can hold empty slots). Observed
+    after each step's schedule; it costs a pass over the running sequences only at a new peak."""
+
+    def __init__(self) -> None:
+        self.used_blocks = 0
+        self.efficiency = 1.0
+
+    def observe(self, batcher: Batcher, batch: ScheduledBatch) -> None:
+        used = batcher.block_manager.num_used_blocks
+        if used <= self.used_blocks:
+            return
+        bs = batcher.block_manager.block_size
+        scheduled = dict(zip(map(id, batch.seqs), batch.num_new_tokens))
+        empty = sum(len(s.block_table) * bs - s.num_computed_tokens - scheduled.get(id(s), 0) for s in batcher.running)
+        self.used_blocks = used
+        self.efficiency = 1.0 - empty / (used * bs)
+
+
+def engine_stats(batcher: Batcher, peak: KVPeak, spec_decode: SpecDecodeStats | None = None) -> EngineStats:
+    """An engine's stats from its batcher (and block manager): the real engine's and the mock's."""
+    bm = batcher.block_manager
+    return EngineStats(
+        num_running=len(batcher.running), num_waiting=len(batcher.waiting), num_free_blocks=bm.num_free_blocks,
+        num_total_blocks=bm.num_blocks, prefix_cache_queries=bm.stats.queries, prefix_cache_hits=bm.stats.hits,
+        prefix_cache_evictions=bm.stats.evictions, num_preemptions=batcher.num_preemptions,
+        peak_used_blocks=peak.used_blocks, kv_efficiency_at_peak=peak.efficiency, spec_decode=spec_decode)
 
 
 class StatsSource(Protocol):

@@ -48,7 +48,7 @@ from metroserve.common.sampling_params import SamplingParams
 from metroserve.common.stop_rules import append_token
 from metroserve.worker.batcher import Batcher, ScheduledBatch
 from metroserve.worker.block_manager import BlockManager
-from metroserve.worker.metrics import EngineStats
+from metroserve.worker.metrics import EngineStats, KVPeak, engine_stats
 from metroserve.worker.outputs import make_request_output
 from metroserve.worker.sequence import Request, Sequence, SequenceStatus
 from metroserve.worker.step_sink import EngineDeadError, StepResult, StepSink
@@ -152,8 +152,7 @@ class MockEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._error: EngineDeadError | None = None
-        self._peak_used_blocks = 0
-        self._efficiency_at_peak = 1.0
+        self._kv_peak = KVPeak()
 
     # -- the service's interface ------------------------------------------------------------
 
@@ -193,19 +192,7 @@ class MockEngine:
                              block_size=o.block_size, num_blocks=o.num_blocks)
 
     def stats(self) -> EngineStats:
-        bm = self._block_manager
-        return EngineStats(
-            num_running=len(self._batcher.running),
-            num_waiting=len(self._batcher.waiting),
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_blocks,
-            prefix_cache_queries=bm.stats.queries,
-            prefix_cache_hits=bm.stats.hits,
-            prefix_cache_evictions=bm.stats.evictions,
-            num_preemptions=self._batcher.num_preemptions,
-            peak_used_blocks=self._peak_used_blocks,
-            kv_efficiency_at_peak=self._efficiency_at_peak,
-        )
+        return engine_stats(self._batcher, self._kv_peak)
 
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block the prefix cache holds now (a worker's first report after connecting)."""
@@ -241,7 +228,7 @@ class MockEngine:
                     await self._wakeup.wait()
                     continue
                 batch = self._batcher.schedule_step()
-                self._track_kv_efficiency(batch)
+                self._kv_peak.observe(self._batcher, batch)
                 await self._sleep(self._step_time(batch))
                 await self._publish(self._advance(batch))
         except asyncio.CancelledError:
@@ -363,19 +350,6 @@ class MockEngine:
         m = request.metrics
         m.finished_time = now
         m.num_generation_tokens = sum(s.num_output_tokens for s in request.seqs) - request.num_resumed_tokens
-
-    def _track_kv_efficiency(self, batch: ScheduledBatch) -> None:
-        """At each new peak of used blocks: the share of their slots that hold tokens (as the engine)."""
-        used = self._block_manager.num_used_blocks
-        if used <= self._peak_used_blocks:
-            return
-        bs = self.options.block_size
-        scheduled = dict(zip(map(id, batch.seqs), batch.num_new_tokens))
-        # Shared full blocks count once in `used`; only each sequence's tail block can hold empty slots.
-        empty = sum(len(s.block_table) * bs - s.num_computed_tokens - scheduled.get(id(s), 0)
-                    for s in self._batcher.running)
-        self._peak_used_blocks = used
-        self._efficiency_at_peak = 1.0 - empty / (used * bs)
 
     async def _publish(self, requests: list[Request]) -> None:
         """One StepResult: the requests' deltas, the block events since the last one, the stats."""
