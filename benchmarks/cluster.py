@@ -314,9 +314,18 @@ def client_main(plan: ClientPlan, conn: Connection) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a process to bind soon. Picked below the kernel's ephemeral range,
+    from which it hands out the ports of `--port 0` listeners (the workers' token streams): a port
+    picked there could be taken by one of them before its owner binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _die_with_parent() -> None:

@@ -16,6 +16,9 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+# Picks ports outside the range the OS hands to `--port 0` listeners (the workers' token streams).
+from metroserve.benchmarks.cluster import free_port as free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,12 +27,6 @@ def cluster_metadata() -> tuple[tuple[str, str], ...]:
     from metroserve.rpc.auth import ENV_SECRET, SECRET_METADATA_KEY
 
     return ((SECRET_METADATA_KEY, os.environ[ENV_SECRET]),)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_run(count: int) -> int:

@@ -144,7 +144,7 @@ def test_sigterm_drain_hands_back_unfinished_work(stack, tiny_model_dir, tmp_pat
         wait_for(lambda: len(stack.cluster_status().workers) == 3, 120, "the standalone worker to register")
         handed_back = {}
 
-        async def terminate_standalone():
+        async def terminate_standalone(progress):
             status = stack.cluster_status()  # on the loop's thread: see kill_busiest_worker
             (standalone,) = [w for w in status.workers if w.worker_id == "standalone"]
             handed_back["placed"] = standalone.num_placed
