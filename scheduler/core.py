@@ -131,7 +131,6 @@ class SchedulerCore:
             old.closed.set()
             old.wakeup.set()
         link = GatewayLink(register.gateway_id)
-        link.last_seen = now
         self.gateways[link.gateway_id] = link
         self.detached.pop(link.gateway_id, None)
         link.workers_changed(self._worker_list())
@@ -149,7 +148,6 @@ class SchedulerCore:
         return link
 
     def gateway_message(self, link: GatewayLink, msg: cluster_pb2.GatewayMessage, now: float) -> None:
-        link.last_seen = now
         for submission in msg.submit:
             self._submit(link, submission)
         for abort in msg.abort:

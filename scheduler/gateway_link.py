@@ -9,7 +9,6 @@ Everything for one gateway accumulates here and leaves as one GatewayControl per
 from __future__ import annotations
 
 import asyncio
-import time
 
 from metroserve.rpc import cluster_pb2
 from metroserve.scheduler.request_state import Placement
@@ -18,7 +17,6 @@ from metroserve.scheduler.request_state import Placement
 class GatewayLink:
     def __init__(self, gateway_id: str):
         self.gateway_id = gateway_id
-        self.last_seen = time.monotonic()
         self._status: list[cluster_pb2.RequestStatus] = []
         self._resume: list[cluster_pb2.ResumeQuery] = []
         self._workers: cluster_pb2.GatewayControl | None = None

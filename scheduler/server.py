@@ -41,7 +41,7 @@ class SchedulerOptions(CoreOptions):
     credentials: ClusterCredentials = field(default_factory=ClusterCredentials.from_env)
 
 
-async def _serve_link(first_message: Any, request_iterator: AsyncIterator, link: Any,
+async def _serve_link(first_message: Any, request_iterator: AsyncIterator, link: Any, peer: str,
                       on_message: Callable[[Any], None]) -> AsyncIterator[Any]:
     """One hub stream: read the peer's messages into the core while writing the link's outbox,
     one message per wakeup, the first being `first_message`."""
@@ -50,7 +50,7 @@ async def _serve_link(first_message: Any, request_iterator: AsyncIterator, link:
             async for msg in request_iterator:
                 on_message(msg)
         except Exception as e:  # a broken stream ends the link like a clean close does
-            logger.warning("stream of %s failed: %r", getattr(link, "worker_id", getattr(link, "gateway_id", "?")), e)
+            logger.warning("stream of %s failed: %r", peer, e)
         finally:
             link.closed.set()
             link.wakeup.set()
@@ -87,7 +87,7 @@ class WorkerHubService(cluster_pb2_grpc.WorkerHubServicer):
         await self.update_readiness()
         hello = cluster_pb2.SchedulerMessage(heartbeat_interval_s=self.core.options.heartbeat_timeout_s / 3)
         try:
-            async for msg in _serve_link(hello, request_iterator, link,
+            async for msg in _serve_link(hello, request_iterator, link, f"worker {link.worker_id}",
                                          lambda m: self.core.worker_message(link, m, time.monotonic())):
                 yield msg
         finally:
@@ -106,7 +106,7 @@ class GatewayHubService(cluster_pb2_grpc.GatewayHubServicer):
         link = self.core.gateway_registered(first.register, time.monotonic())
         hello = cluster_pb2.GatewayControl(heartbeat_interval_s=self.core.options.heartbeat_timeout_s / 3)
         try:
-            async for msg in _serve_link(hello, request_iterator, link,
+            async for msg in _serve_link(hello, request_iterator, link, f"gateway {link.gateway_id}",
                                          lambda m: self.core.gateway_message(link, m, time.monotonic())):
                 yield msg
         finally:
