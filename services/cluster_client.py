@@ -240,6 +240,13 @@ class ClusterClient:
                 finish_reasons=[owned.finish_reasons[i] for i in indices]))
         self._wakeup.set()
 
+    def _lost_output(self, owned: OwnedRequest) -> None:
+        """Output of the request was lost on its way here (a token stream broke mid-message): the
+        request fails rather than show its client a text with a hole in it."""
+        self._queue_abort(owned, [])
+        owned.events.put_nowait(UpstreamError(grpc.StatusCode.INTERNAL, "output from the worker was lost in transit; "
+                                              "the request was aborted"))
+
     # -- the token streams -------------------------------------------------------------------
 
     def _subscribe_to(self, endpoints: Sequence[cluster_pb2.WorkerEndpoint]) -> None:
@@ -279,14 +286,19 @@ class ClusterClient:
             msg = generation_pb2.GenerateResponse(request_id=out.request_id)
             if owned.num_cached_tokens is None:
                 owned.num_cached_tokens = msg.num_cached_tokens = out.num_cached_tokens
-            for delta in out.seqs:
+            for delta, count in zip(out.seqs, out.num_tokens, strict=True):
                 index = out.base_index + delta.index
                 if owned.finish_reasons[index]:
                     continue
+                if len(owned.tokens[index]) + len(delta.token_ids) != count:  # a batch never arrived
+                    self._lost_output(owned)
+                    break
                 owned.tokens[index].extend(delta.token_ids)
                 owned.finish_reasons[index] = delta.finish_reason
                 delta.index = index
                 msg.outputs.append(delta)
+            if owned.ended:
+                continue
             if all(owned.finish_reasons):
                 owned.ended = True
                 msg.usage.CopyFrom(generation_pb2.Usage(

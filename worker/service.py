@@ -137,11 +137,12 @@ class WorkerService:
             placement = self.placements.get(out.request_id)
             if placement is None:
                 continue  # handed back: the scheduler has moved it
-            seqs = []
+            seqs, counts = [], []
             for c in out.outputs:
                 if not c.token_ids and not out.finished:
                     continue
                 placement.num_tokens[c.index] += len(c.token_ids)
+                counts.append(placement.num_tokens[c.index])
                 delta = generation_pb2.SequenceDelta(index=c.index, token_ids=c.token_ids,
                                                      finish_reason=c.finish_reason or "")
                 if c.logprobs is not None:
@@ -152,7 +153,7 @@ class WorkerService:
             if seqs:
                 self._outbox(placement.gateway_id).outputs.append(cluster_pb2.PlacementOutput(
                     placement_id=out.request_id, num_cached_tokens=out.num_cached_tokens, seqs=seqs,
-                    request_id=placement.request_id, base_index=placement.base_index))
+                    request_id=placement.request_id, base_index=placement.base_index, num_tokens=counts))
                 touched.add(placement.gateway_id)
             if out.finished:
                 self._finish(out, placement)

@@ -1,0 +1,61 @@
+"""The gateway's side of the cluster (services/cluster_client.py), driven without processes: the
+scheduler's answers and the workers' token batches are fed to it directly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from metroserve.rpc import cluster_pb2, generation_pb2
+from metroserve.rpc.auth import ClusterCredentials
+from metroserve.services.cluster_client import ClusterClient, UpstreamError
+
+
+def _output(placement: str, tokens: list[int], count: int, finish: str = "", base: int = 0):
+    return cluster_pb2.PlacementOutput(placement_id=placement, request_id="r", base_index=base, num_tokens=[count],
+                                       seqs=[generation_pb2.SequenceDelta(index=0, token_ids=tokens,
+                                                                          finish_reason=finish)])
+
+
+async def _admitted(client: ClusterClient):
+    stream = client.generate(generation_pb2.GenerateRequest(request_id="r",
+                                                            token_ids=generation_pb2.TokenIds(ids=[1, 2, 3])))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    client._on_status(cluster_pb2.RequestStatus(request_id="r"))
+    assert not (await first).outputs  # the acknowledgment
+    return stream
+
+
+def test_resume_answers_what_was_delivered_and_drops_the_old_placements_late_output():
+    async def run():
+        client = ClusterClient("127.0.0.1:1", ClusterCredentials(secret="s"), gateway_id="g")
+        stream = await _admitted(client)
+        client._deliver(cluster_pb2.TokenBatch(outputs=[_output("r/0", [7, 8], 2)]))
+        assert list((await anext(stream)).outputs[0].token_ids) == [7, 8]
+        client._on_resume_query(cluster_pb2.ResumeQuery(placement_id="r/0", request_id="r", num_seqs=1))
+        (resume,) = client._resume
+        assert list(resume.tokens[0].ids) == [7, 8] and list(resume.finish_reasons) == [""]
+        client._deliver(cluster_pb2.TokenBatch(outputs=[_output("r/0", [9], 3)]))  # late: dropped
+        client._deliver(cluster_pb2.TokenBatch(outputs=[_output("r/1", [9, 5], 4, "length")]))  # the new placement
+        last = await anext(stream)
+        assert list(last.outputs[0].token_ids) == [9, 5] and last.usage.completion_tokens == 4
+
+    asyncio.run(run())
+
+
+def test_a_lost_batch_fails_the_request_instead_of_leaving_a_hole():
+    async def run():
+        client = ClusterClient("127.0.0.1:1", ClusterCredentials(secret="s"), gateway_id="g")
+        stream = await _admitted(client)
+        client._deliver(cluster_pb2.TokenBatch(outputs=[_output("r/0", [7], 1)]))
+        await anext(stream)
+        client._deliver(cluster_pb2.TokenBatch(outputs=[_output("r/0", [9], 3)]))  # token 2 never arrived
+        with pytest.raises(UpstreamError) as err:
+            await anext(stream)
+        assert err.value.code == grpc.StatusCode.INTERNAL
+        assert [a.request_id for a in client._abort] == ["r"]  # ended on its worker too
+
+    asyncio.run(run())
