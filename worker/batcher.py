@@ -56,9 +56,20 @@ class Batcher:
         else:
             self.waiting.append(seq)
 
-    def add_forked(self, parent: Sequence, child: Sequence) -> None:
-        """Place a fork right after its parent so it keeps the parent's seniority."""
-        self.running.insert(self.running.index(parent) + 1, child)
+    def fork(self, parent: Sequence, num_new: int) -> list[Sequence]:
+        """n > 1: after the prompt's last chunk (`num_new` tokens this step), the request's other
+        samples start as forks sharing the parent's blocks, each placed right after the parent so
+        they keep its seniority. Returns them."""
+        request = parent.request
+        children = []
+        for index in range(len(request.seqs), request.params.n):
+            child = parent.fork(index)
+            child.num_computed_tokens = parent.num_computed_tokens + num_new
+            self.block_manager.fork(parent, child)
+            request.seqs.append(child)
+            self.running.insert(self.running.index(parent) + 1, child)
+            children.append(child)
+        return children
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""

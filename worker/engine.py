@@ -236,7 +236,8 @@ class LLMEngine:
             sample_seqs.append(seq)
             request = seq.request
             if request.params.n > len(request.seqs):
-                for child in self._fork(seq, n):
+                for child in self.batcher.fork(seq, n):
+                    self._attach_detokenizer(child)
                     sample_rows.append(i)
                     sample_seqs.append(child)
         out = self.runner.execute(batch, sample_rows, sample_seqs)
@@ -295,20 +296,6 @@ class LLMEngine:
                 return
         self.block_manager.cache_full_blocks(seq)
         self.block_manager.trim(seq)
-
-    def _fork(self, parent: Sequence, num_new: int) -> list[Sequence]:
-        """n > 1: after the prompt's last chunk, the other samples share its blocks."""
-        request = parent.request
-        children = []
-        for index in range(len(request.seqs), request.params.n):
-            child = parent.fork(index)
-            child.num_computed_tokens = parent.num_computed_tokens + num_new
-            self.block_manager.fork(parent, child)
-            self._attach_detokenizer(child)
-            request.seqs.append(child)
-            self.batcher.add_forked(parent, child)
-            children.append(child)
-        return children
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)

@@ -282,7 +282,7 @@ class MockEngine:
                 continue  # a prefill chunk with more to come
             sampled.append(seq)
             if seq.request.params.n > len(seq.request.seqs):
-                sampled += self._fork(seq, n)
+                sampled += self._batcher.fork(seq, n)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
@@ -299,19 +299,6 @@ class MockEngine:
                 del self._requests[request.request_id]
                 self._record_finished(request, now)
         return list(touched.values())
-
-    def _fork(self, parent: Sequence, num_new: int) -> list[Sequence]:
-        """n > 1: after the prompt's last chunk the other samples share its blocks (as the engine)."""
-        request = parent.request
-        children = []
-        for index in range(len(request.seqs), request.params.n):
-            child = parent.fork(index)
-            child.num_computed_tokens = parent.num_computed_tokens + num_new
-            self._block_manager.fork(parent, child)
-            request.seqs.append(child)
-            self._batcher.add_forked(parent, child)
-            children.append(child)
-        return children
 
     def _next_token(self, seq: Sequence) -> int:
         params, vocab = seq.request.params, self.options.vocab_size
