@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import itertools
 import json
 import math
@@ -65,7 +64,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -328,11 +326,6 @@ def free_port() -> int:
             return port
 
 
-def _die_with_parent() -> None:
-    """A child gets SIGTERM if the bench dies, so no service outlives it."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(on-CPU seconds, seconds runnable but waiting for a core) of one process, every live thread
     (children not), from /proc/<pid>/task/*/schedstat: exact to the nanosecond, where
@@ -399,9 +392,11 @@ class Cluster:
         self.scheduler_starts = 0
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        from metroserve.services.serve import die_with_parent
+
         with open(self.log_dir / f"{name}.log", "wb") as out:  # the child writes through its own descriptor
             return subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *argv], stdout=out,
-                                    stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent)
+                                    stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent)
 
     @property
     def scheduler_log(self) -> Path:
@@ -489,16 +484,9 @@ class Cluster:
 
     def stop(self) -> None:
         """Gateways, then workers, then the scheduler: SIGTERM, then SIGKILL after 30 s."""
-        for group in ([p for p, _ in self.gateways], self.workers, [self.scheduler]):
-            procs = [p for p in group if p is not None and p.poll() is None]
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        from metroserve.services.serve import stop_in_order
+
+        stop_in_order([[p for p, _ in self.gateways], list(self.workers), [self.scheduler]], timeout_s=30)
 
 
 # -- one run ----------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class SchedulerOptions(CoreOptions):
 async def _serve_link(first_message: Any, request_iterator: AsyncIterator, link: Any, peer: str,
                       on_message: Callable[[Any], None]) -> AsyncIterator[Any]:
     """One hub stream: read the peer's messages into the core while writing the link's outbox,
-    one message per wakeup, the first being `first_message`."""
+    one message per wakeup, after `first_message` if one is given."""
     async def read() -> None:
         try:
             async for msg in request_iterator:
@@ -57,7 +57,8 @@ async def _serve_link(first_message: Any, request_iterator: AsyncIterator, link:
 
     reader = asyncio.ensure_future(read())
     try:
-        yield first_message
+        if first_message is not None:
+            yield first_message
         while not reader.done() and not link.closed.is_set():
             msg = link.take_message()
             if msg is not None:
@@ -104,9 +105,8 @@ class GatewayHubService(cluster_pb2_grpc.GatewayHubServicer):
         if not first.HasField("register"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a GatewayRegister")
         link = self.core.gateway_registered(first.register, time.monotonic())
-        hello = cluster_pb2.GatewayControl(heartbeat_interval_s=self.core.options.heartbeat_timeout_s / 3)
-        try:
-            async for msg in _serve_link(hello, request_iterator, link, f"gateway {link.gateway_id}",
+        try:  # its first message is the worker list, queued at registration
+            async for msg in _serve_link(None, request_iterator, link, f"gateway {link.gateway_id}",
                                          lambda m: self.core.gateway_message(link, m, time.monotonic())):
                 yield msg
         finally:

@@ -83,6 +83,26 @@ def _cluster_credentials(args: argparse.Namespace):
     return credentials_from_args(args)
 
 
+def _refuse_flags_of_the_other_engine(args: argparse.Namespace) -> None:
+    """A worker flag that its --engine does not use is an error naming it, not silently ignored:
+    the model engine's flags the mock has no use for (--model, --dtype, --kv-cache-memory, ...), and
+    the --mock-* flags without --engine mock. A flag counts as given when it differs from its default."""
+    from metroserve.worker.config import EngineConfig
+    from metroserve.worker.mock_engine import ENGINE_FLAGS_USED, add_mock_engine_args
+
+    def flags(add_args) -> dict[str, tuple[str, object]]:
+        parser = argparse.ArgumentParser(add_help=False)
+        add_args(parser)
+        return {a.dest: (a.option_strings[0], a.default) for a in parser._actions}
+
+    unused = {d: f for d, f in flags(EngineConfig.add_cli_args).items() if d not in ENGINE_FLAGS_USED} \
+        if args.engine == "mock" else flags(add_mock_engine_args)
+    given = sorted(flag for dest, (flag, default) in unused.items() if getattr(args, dest) != default)
+    if given:
+        raise ValueError(f"{', '.join(given)}: no effect with --engine {args.engine}"
+                         + ("" if args.engine == "mock" else " (the --mock-* flags are for --engine mock)"))
+
+
 def _worker(args: argparse.Namespace) -> None:
     import uvloop
 
@@ -96,6 +116,7 @@ def _worker(args: argparse.Namespace) -> None:
                             host=args.host, port=args.port, advertise_address=args.advertise_address,
                             health_port=args.health_port, drain_timeout_s=args.drain_timeout,
                             metrics_port=args.metrics_port, credentials=_cluster_credentials(args))
+    _refuse_flags_of_the_other_engine(args)
     if args.engine == "mock":  # torch is never imported on this path
         from metroserve.worker.mock_engine import MockEngine, mock_options_from_args
 

@@ -32,7 +32,7 @@ logger = logging.getLogger("metroserve.serve")
 RESTART_DELAY_S = 0.5
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Children get SIGTERM if serve itself dies, so no orphan keeps a port or a KV pool."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -83,7 +83,7 @@ class Stack:
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         self._argv[name] = (args, env)
         return subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *args, *self._auth_argv],
-                                preexec_fn=_die_with_parent, start_new_session=True,
+                                preexec_fn=die_with_parent, start_new_session=True,
                                 env={**(env or os.environ), **self._auth_env})
 
     def _worker_env(self, index: int) -> dict | None:
@@ -180,12 +180,20 @@ class Stack:
 
     def stop(self) -> None:
         self._stopping = True
-        for group in ([self.gateway], list(self.workers.values()), [self.scheduler]):
-            procs = [p for p in group if p is not None and p.poll() is None]
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_in_order([[self.gateway], list(self.workers.values()), [self.scheduler]], timeout_s=60)
+
+
+def stop_in_order(groups: list[list[subprocess.Popen | None]], timeout_s: float) -> None:
+    """SIGTERM each group's live processes together, wait for them (SIGKILL after `timeout_s`),
+    then the next group: gateways first, so no new work starts, then workers (they drain), then the
+    scheduler they report to."""
+    for group in groups:
+        procs = [p for p in group if p is not None and p.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

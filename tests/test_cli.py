@@ -109,3 +109,14 @@ def test_serve_splits_cpu_cores_between_workers(monkeypatch):
     assert env is not None and env["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's choice wins
     assert stack._worker_env(1) is None
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--engine", "mock", "--kv-cache-memory", "1GiB", "--dtype", "float32"], "--dtype, --kv-cache-memory"),
+    (["--mock-step-fixed-ms", "3"], "--mock-step-fixed-ms"),
+])
+def test_worker_refuses_flags_its_engine_does_not_use(argv, named):
+    """Checked before anything starts: no scheduler is needed to get the error."""
+    with pytest.raises(SystemExit) as err:
+        main(["worker", "--scheduler", "127.0.0.1:1", *argv])
+    assert f"metroserve: error: {named}: no effect with --engine" in str(err.value)

@@ -371,24 +371,19 @@ def add_mock_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="simulated step time per decoding sequence, in us")
 
 
+# The engine's own flags (EngineConfig.add_cli_args) the mock takes; the others have no meaning here.
+ENGINE_FLAGS_USED = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "enable_prefix_caching", "scheduling_policy", "seed")
+
+
 def mock_options_from_args(args: argparse.Namespace) -> MockEngineOptions:
     """Options from add_mock_engine_args' flags, plus the engine flags the parser has (unset: defaults)."""
     d = MockEngineOptions()
-
-    def engine_flag(name: str):
-        value = getattr(args, name, None)
-        return getattr(d, name) if value is None else value
-
+    engine = {name: getattr(args, name, None) for name in ENGINE_FLAGS_USED}
     return MockEngineOptions(
         num_blocks=args.mock_num_blocks,
-        block_size=engine_flag("block_size"),
-        max_num_seqs=engine_flag("max_num_seqs"),
-        max_num_batched_tokens=engine_flag("max_num_batched_tokens"),
-        max_model_len=engine_flag("max_model_len"),
         vocab_size=args.mock_vocab_size,
-        enable_prefix_caching=engine_flag("enable_prefix_caching"),
-        scheduling_policy=engine_flag("scheduling_policy"),
-        seed=engine_flag("seed"),
+        **{name: getattr(d, name) if value is None else value for name, value in engine.items()},
         step_fixed_s=args.mock_step_fixed_ms / 1e3,
         prefill_token_s=args.mock_prefill_token_us / 1e6,
         decode_seq_s=args.mock_decode_seq_us / 1e6,

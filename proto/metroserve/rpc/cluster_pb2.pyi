@@ -262,20 +262,18 @@ class WorkerEndpoint(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GatewayControl(_message.Message):
-    __slots__ = ("status", "resume", "workers_changed", "workers", "models", "heartbeat_interval_s")
+    __slots__ = ("status", "resume", "workers_changed", "workers", "models")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     WORKERS_CHANGED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
-    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     status: _containers.RepeatedCompositeFieldContainer[RequestStatus]
     resume: _containers.RepeatedCompositeFieldContainer[ResumeQuery]
     workers_changed: bool
     workers: _containers.RepeatedCompositeFieldContainer[WorkerEndpoint]
     models: _containers.RepeatedCompositeFieldContainer[_generation_pb2.ModelInfo]
-    heartbeat_interval_s: float
-    def __init__(self, status: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[ResumeQuery, _Mapping]]] = ..., workers_changed: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerEndpoint, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[_generation_pb2.ModelInfo, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[ResumeQuery, _Mapping]]] = ..., workers_changed: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerEndpoint, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[_generation_pb2.ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class Subscription(_message.Message):
     __slots__ = ("gateway_id",)
