@@ -1,11 +1,14 @@
-"""Random-weight Llama model directories built in code: no hub, no weights shipped.
+"""Random-weight model directories built in code: no hub, no weights shipped.
 
 "tiny" is the test model (2 layers, GQA 4 query heads over 2 KV heads, wide weights so greedy
 argmaxes are not floating-point ties). The real shapes (SmolLM2-135M, the default model's
 architecture, and Llama-3.2-1B) are for speed measurements on a GPU machine that has no copy of
 the weights: step time depends on shapes, not on weight values. All share a 512-token byte-level
 BPE with a ChatML template, trained here on a few stdlib docstrings; ids beyond it decode to
-nothing, so a 49k-vocabulary model still runs end to end.
+nothing, so a 49k-vocabulary model still runs end to end. write_random_family builds the same
+kind of tiny model for each other family the engine serves, from transformers' own config class,
+with that family's switches turned on (biases, q/k norms, sliding windows shorter than the test
+prompts, partial rotary, soft-capping, a query scale).
 """
 
 from __future__ import annotations
@@ -85,4 +88,44 @@ def write_random_llama(path: Path, shape: str = "tiny", seed: int = 0, device: s
                 if "norm" not in name:
                     p.normal_(0.0, 0.25 if "embed" not in name else 1.0)
     model.to("cpu").save_pretrained(path)
+    return path
+
+
+# family -> (transformers config class, model class, what the tiny shape adds). Windows are shorter
+# than the tests' longer prompts and of several sizes relative to a 16-token block.
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, attention_bias=True)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=40, partial_rotary_factor=0.5)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, num_hidden_layers=4, sliding_window=16,
+                                                          query_pre_attn_scalar=24, attn_logit_softcapping=20.0,
+                                                          final_logit_softcapping=15.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, num_hidden_layers=4, sliding_window=12,
+                                                              sliding_window_pattern=2, query_pre_attn_scalar=16,
+                                                              rope_local_base_freq=100.0)),
+}
+
+
+def write_random_family(path: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random model of `family` (a key of FAMILIES) with wide weights, as write_random_llama's
+    tiny one; norm weights get noise too, so a family's norm variant (Gemma's 1 + w) is exercised."""
+    import transformers
+
+    config_class, model_class, extra = FAMILIES[family]
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_tokenizer(path)
+    shape = {k: v for k, v in SHAPES["tiny"].items() if k not in extra}
+    cfg = getattr(transformers, config_class)(
+        **shape, **extra, rms_norm_eps=1e-5, bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=0)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0.0, 0.25 if "embed" not in name else 1.0)
+    model.save_pretrained(path)
     return path

@@ -16,6 +16,8 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else eos or [])
+        # generate() fills an unset eos_token_id from here: unset, greedy() alone decides.
+        self.model.generation_config.eos_token_id = None
         self._cache: dict[tuple, list[int]] = {}
 
     @torch.inference_mode()

@@ -1,15 +1,21 @@
 """The decoder layer's fused CPU kernels (csrc/layer_ops.cpp) and the panel GEMM (csrc/packed_linear.cpp)
-against the torch ops they replace, and the model with them against the model without them."""
+against the torch ops they replace, the model with them against the model without them, and the
+attention kernels built for the instruction sets this machine's own build does not use."""
+
+import platform
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.cpp_extension import get_cxx_compiler
 
 from metroserve.worker.attention import TorchAttention
-from metroserve.worker.cpu_kernels import load_cpu_kernels
+from metroserve.worker.attention.cpu import CpuAttention
+from metroserve.worker.cpu_kernels import CFLAGS, CSRC, kernel_build, load_cpu_kernels, load_or_build
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model import apply_rope
-from tests.test_attention import random_layout
+from tests.test_attention import SCALES_AND_CAPS, WINDOWS, random_layout, windowed_case
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +92,38 @@ def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
         cache = KVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32,
                         torch.device("cpu"))
         with torch.inference_mode():
-            hidden = model(ids, positions, attention, cache, attention.prepare(layout))
+            hidden = model(ids, positions, attention, cache, model.prepare_attention(attention, layout))
             outputs.append(model.compute_logits(hidden))
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
+
+
+# The engine's build targets this machine (-march=native: AVX-512 here); these take the kernels'
+# AVX2 paths (vec.h's 8-lane tiles) and their portable loops. Attention only, built once per
+# machine and source change (about a minute each on 2 cores) into the kernel cache.
+ISA_MARCH = {"avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
+
+
+@pytest.fixture(scope="module", params=sorted(ISA_MARCH))
+def isa_attention_kernels(request):
+    if platform.machine() != "x86_64" or load_cpu_kernels() is None:
+        pytest.skip("the instruction-set builds are x86-64 builds of the CPU kernels")
+    sources = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
+                                             "bindings.cpp"))
+    cflags = tuple(ISA_MARCH[request.param] if f == "-march=native" else f for f in CFLAGS)
+    build = kernel_build(sources, (*cflags, "-DMETROSERVE_ATTENTION_ONLY"),
+                         name=f"metroserve_attention_{request.param}")
+    defines = subprocess.run([get_cxx_compiler(), *cflags, "-dM", "-E", "-x", "c++", "/dev/null"],
+                             capture_output=True, text=True, check=True).stdout
+    assert ("__AVX512F__" in defines, "__AVX2__" in defines) == (False, request.param == "avx2")
+    module = load_or_build(build).module
+    assert not hasattr(module, "rms_norm")  # this build, not the engine's module of the same functions
+    return module
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("scale, softcap", SCALES_AND_CAPS)
+def test_attention_kernels_for_each_instruction_set(isa_attention_kernels, window, scale, softcap):
+    backend = CpuAttention(16)
+    backend.kernels = isa_attention_kernels
+    got, expected = windowed_case(backend, window, scale, softcap)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)

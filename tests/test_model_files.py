@@ -1,18 +1,36 @@
-"""Tests for worker.model_files: model path resolution, GGUF conversion and its cache."""
+"""Tests for worker.model_files and worker.gguf_convert: model path resolution, GGUF conversion and its cache."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-from metroserve.worker import model_files
+from metroserve.benchmarks.random_model import write_tokenizer
+from metroserve.worker import gguf_convert
 from metroserve.worker.model_files import ModelLoadError, default_model_path, resolve_model_dir
+from tests.gguf_writer import write_gguf
 
 
 def _installed_smollm2() -> Path | None:
@@ -101,7 +119,7 @@ def test_cache_layout_and_reuse(converted: Path, cache_dir: Path, monkeypatch: p
     def fail_if_called(*args: object) -> None:
         raise AssertionError("reconverted although the cache was valid")
 
-    monkeypatch.setattr(model_files, "convert_gguf", fail_if_called)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", fail_if_called)
     assert resolve_model_dir(SMOLLM2, cache_dir=cache_dir) == converted
     assert resolve_model_dir(None, cache_dir=cache_dir) == converted
     monkeypatch.setenv("METROSERVE_CACHE", str(cache_dir))
@@ -123,7 +141,7 @@ def test_failed_conversion_leaves_no_cache_entry(tmp_path: Path, monkeypatch: py
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(model_files, "convert_gguf", crash_halfway)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", crash_halfway)
     with pytest.raises(RuntimeError, match="simulated crash"):
         resolve_model_dir(model, cache_dir=tmp_path / "cache")
     assert os.listdir(tmp_path / "cache" / "models") == []
@@ -173,5 +191,133 @@ def test_non_llama_architecture(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"tiny-gpt2\.gguf: GGUF architecture is 'gpt2'; only 'llama'"):
+    with pytest.raises(ModelLoadError, match=r"tiny-gpt2\.gguf: GGUF architecture is 'gpt2'; supported are 'llama'"):
         resolve_model_dir(model, cache_dir=tmp_path / "cache")
+
+
+# The tiny shape every family below shares: 4 query heads over 2 KV heads, a 512-token vocabulary.
+TINY: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False,
+)
+TIED: dict[str, Any] = {**TINY, "tie_word_embeddings": True}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family as llama.cpp would convert it: its GGUF architecture and a tiny HF config."""
+
+    arch: str
+    config: PretrainedConfig
+    name: str = "tiny"  # general.name, which tells Mistral from Llama
+    f16: bool = False
+    # transformers' own GGUF loader reads this config right, so it is a second, independent reference;
+    # it misses the other configs' features (Llama's biases, Qwen3's head_dim, LongRoPE, Gemma's scalars).
+    transformers_reads_it: bool = False
+
+
+# Each config exercises what its family's conversion has to get right: Llama's Q/K (and bias) rotary
+# permutation, Qwen3's head_dim != hidden/heads, Phi-3's fused projections with partial LongRoPE and
+# a sliding window, Gemma's norm offset, soft-capping and sliding/full layer pattern (windows shorter
+# than the test sequences, so the pattern matters), and F16 storage.
+FAMILIES = {
+    "llama": Family("llama", LlamaConfig(**TINY, attention_bias=True)),
+    "mistral": Family("llama", MistralConfig(**TIED, sliding_window=None), name="Mistral-Tiny-Instruct",
+                      transformers_reads_it=True),
+    "qwen2": Family("qwen2", Qwen2Config(**TINY), f16=True, transformers_reads_it=True),
+    "qwen3": Family("qwen3", Qwen3Config(**TIED, head_dim=32)),
+    "phi3": Family("phi3", Phi3Config(
+        **TINY, sliding_window=8, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "long_factor": [1.0, 2.0, 4.0, 8.0], "short_factor": [1.0, 1.5, 2.0, 3.0]},
+    )),
+    "gemma2": Family("gemma2", Gemma2Config(**TIED, head_dim=16, query_pre_attn_scalar=16, sliding_window=4)),
+    "gemma3": Family("gemma3", Gemma3TextConfig(
+        **{**TIED, "num_hidden_layers": 6}, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    )),
+}
+TEXTS = ["Hello world!", "  The quick brown fox, 42 times.\nNew line", "Ünïcode ✓ and <|im_start|>user tokens"]
+
+
+@dataclass(frozen=True)
+class Converted:
+    family: Family
+    original: PreTrainedModel
+    gguf_path: Path
+    directory: Path
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerFast:
+    return write_tokenizer(tmp_path_factory.mktemp("bpe"))
+
+
+def _random_model(family: Family) -> PreTrainedModel:
+    """Random weights wide enough that every tensor moves the logits; norms around 1, biases nonzero."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family.config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.normal_(1.0 if "norm" in name else 0.0, 1.0 if "embed" in name else 0.2)
+            if family.f16 and parameter.dim() > 1:  # what an F16 GGUF can hold exactly
+                parameter.copy_(parameter.half().float())
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_case(request: pytest.FixtureRequest, bpe: PreTrainedTokenizerFast,
+              tmp_path_factory: pytest.TempPathFactory) -> Converted:
+    family = FAMILIES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    original = _random_model(family)
+    gguf_path = write_gguf(folder / f"{request.param}.gguf", original, bpe, family.arch, name=family.name,
+                           f16=family.f16)
+    return Converted(family, original, gguf_path, resolve_model_dir(gguf_path, cache_dir=folder / "cache"))
+
+
+def _logits(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def test_family_converts_to_its_hf_class_with_equal_logits(family_case: Converted) -> None:
+    config = json.loads((family_case.directory / "config.json").read_text())
+    assert config["architectures"] == [type(family_case.original).__name__]
+    assert config["model_type"] == family_case.original.config.model_type
+    assert config["tie_word_embeddings"] == family_case.original.config.tie_word_embeddings
+    ours = AutoModelForCausalLM.from_pretrained(family_case.directory).eval()
+    assert type(ours) is type(family_case.original)
+    # Longer than every sliding window above, so a wrong window or layer pattern shows.
+    input_ids = torch.randint(3, 512, (3, 24), generator=torch.Generator().manual_seed(1))
+    expected = _logits(family_case.original, input_ids)
+    assert expected.std() > 0.5  # the comparison below is not between near-constant logits
+    torch.testing.assert_close(_logits(ours, input_ids), expected, atol=1e-4, rtol=1e-4)
+    if family_case.family.transformers_reads_it:
+        gguf_path = family_case.gguf_path
+        reference = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).eval()
+        torch.testing.assert_close(_logits(ours, input_ids), _logits(reference, input_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_missing_a_tensor_the_class_needs(bpe: PreTrainedTokenizerFast, tmp_path: Path) -> None:
+    # A Llama without biases, labelled qwen2: Qwen2ForCausalLM needs q/k/v biases the file lacks.
+    model = _random_model(FAMILIES["mistral"])
+    gguf_path = write_gguf(tmp_path / "biasless.gguf", model, bpe, "qwen2")
+    lacks_biases = r"biasless\.gguf: GGUF lacks tensor\(s\) blk\.0\.attn_k\.bias.*Qwen2ForCausalLM"
+    with pytest.raises(ModelLoadError, match=lacks_biases):
+        resolve_model_dir(gguf_path, cache_dir=tmp_path / "cache")
+    assert os.listdir(tmp_path / "cache" / "models") == []
+
+
+def test_family_tokenizer_round_trips(family_case: Converted, bpe: PreTrainedTokenizerFast) -> None:
+    ours = AutoTokenizer.from_pretrained(family_case.directory)
+    assert (ours.bos_token_id, ours.eos_token_id) == (bpe.bos_token_id, bpe.eos_token_id)
+    assert ours.chat_template == bpe.chat_template
+    for text in TEXTS:
+        ids = ours(text)["input_ids"]
+        assert ids == bpe(text)["input_ids"]
+        assert ours.decode(ids) == text
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == bpe.apply_chat_template(messages, tokenize=False)

@@ -12,7 +12,7 @@ import torch
 from metroserve import LLM, SamplingParams
 from metroserve.worker.attention import TorchAttention
 from metroserve.worker.kv_cache import KVCache
-from tests.test_attention import random_layout
+from tests.test_attention import random_layout, windowed_case
 from tests.test_greedy_vs_hf import check_all, run, tiny_prompts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,6 +119,44 @@ def test_padded_rows_write_and_compute_nothing():
 
 
 
+# Decodes and a 4-token verification (the most a decode-only tile of this GQA group holds), split-KV.
+DECODE_QUERY_LENS, DECODE_CONTEXT_LENS = [1, 1, 1, 1, 1, 4], [1, 16, 17, 300, 45, 70]
+
+
+@pytest.mark.parametrize("window", [None, 3, 16, 40])
+@pytest.mark.parametrize("scale, softcap", [(None, None), (0.3, None), (0.2, 3.0)])
+@pytest.mark.parametrize("batch", ["mixed", "decodes"])
+def test_triton_matches_dense_reference(window, scale, softcap, batch):
+    """Sliding windows under, at and over a block, soft-capping and a custom scale (see windowed_case)."""
+    from metroserve.worker.attention.triton import TritonAttention
+
+    backend = TritonAttention(16, 6, 2, 32, torch.float32, split_kv=batch == "decodes")
+    lens = {} if batch == "mixed" else dict(query_lens=DECODE_QUERY_LENS, context_lens=DECODE_CONTEXT_LENS)
+    got, expected = windowed_case(backend, window, scale, softcap, device=DEVICE.type, **lens)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("split_kv", [False, True])
+def test_window_is_a_kernel_argument(split_kv):
+    """What the CUDA-graph runner does: the window set on metadata prepared without one."""
+    from metroserve.worker.attention.triton import TritonAttention
+
+    rng = torch.Generator().manual_seed(5)
+    backend = TritonAttention(16, 4, 2, 32, torch.float32, split_kv=split_kv)
+    layout = on_device(random_layout(rng, 32, 16, [1, 1, 1], [5, 100, 40]))
+    cache = KVCache(1, 32, 16, 2, 32, torch.float32, DEVICE)
+    cache.k.normal_(generator=rng)
+    cache.v.normal_(generator=rng)
+    q = torch.randn(3, 4, 32, generator=rng).to(DEVICE)
+    k, v = (torch.randn(3, 2, 32, generator=rng).to(DEVICE) for _ in range(2))
+    replaced = dataclasses.replace(backend.prepare(layout), sliding_window=20)
+    prepared = backend.prepare(layout, sliding_window=20)
+    assert replaced.num_segments == prepared.num_segments and replaced.sliding_window == 20
+    got = backend.forward(0, q, k, v, cache, replaced)
+    torch.testing.assert_close(got, backend.forward(0, q, k, v, cache, prepared), atol=0, rtol=0)
+    assert not torch.allclose(got, backend.forward(0, q, k, v, cache, backend.prepare(layout)))
+
+
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir):
     from transformers import AutoTokenizer
@@ -199,5 +237,6 @@ def test_profile_batch_runs_through_the_model(tiny_model_dir, backend):
     assert positions.tolist() == list(range(16)) * 2 + list(range(8))
     assert sorted(layout.slot_mapping.tolist()) == list(range(40))  # every token its own slot
     with torch.inference_mode():
-        hidden = engine.model(input_ids, positions, engine.attention, engine.kv_cache, engine.attention.prepare(layout))
+        hidden = engine.model(input_ids, positions, engine.attention, engine.kv_cache,
+                              engine.model.prepare_attention(engine.attention, layout))
     assert hidden.shape == (40, engine.model_config.hidden_size) and torch.isfinite(hidden).all()

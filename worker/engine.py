@@ -83,9 +83,12 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
                              "or --gpu-memory-utilization")
-        self.kv_cache = KVCache(mcfg.num_layers, num_blocks, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype,
-                                self.device)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, record_block_events)
+        # Every layer sliding (Mistral, Phi-3): blocks behind the window go back to the pool early,
+        # unless a draft model (which may attend to everything) shares the block tables.
+        window = self.model.windows[0] if len(self.model.windows) == 1 and self.drafter is None else None
+        self.kv_cache = KVCache(mcfg.num_layers, num_blocks + (window is not None), bs, mcfg.num_kv_heads,
+                                mcfg.head_dim, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, record_block_events, window)
         self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                config.scheduling_policy)
         sampler = Sampler(self.eos_token_ids, self.device, config.seed)
@@ -245,6 +248,7 @@ class LLMEngine:
             if not seq.num_lookahead_tokens:
                 seq.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(seq)
+                self.block_manager.release_out_of_window(seq)
 
         now = time.time()
         touched: dict[str, Request] = {}
@@ -296,6 +300,7 @@ class LLMEngine:
                 return
         self.block_manager.cache_full_blocks(seq)
         self.block_manager.trim(seq)
+        self.block_manager.release_out_of_window(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)

@@ -15,7 +15,7 @@ import torch
 
 from metroserve.worker.attention import AttentionBackend, BatchLayout, block_tables_to_slots
 from metroserve.worker.kv_cache import KVCache
-from metroserve.worker.model import LlamaForCausalLM
+from metroserve.worker.model import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def profile_batch(num_tokens: int, max_model_len: int, block_size: int,
 
 
 @torch.inference_mode()
-def profile_step_peak(model: LlamaForCausalLM, attention: AttentionBackend, num_tokens: int, max_model_len: int,
+def profile_step_peak(model: DecoderForCausalLM, attention: AttentionBackend, num_tokens: int, max_model_len: int,
                       num_sampled: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """Peak bytes allocated on the device during one max-size step, not counting its throwaway pool."""
     cfg = model.cfg
@@ -46,7 +46,7 @@ def profile_step_peak(model: LlamaForCausalLM, attention: AttentionBackend, num_
     pool_bytes = pool.k.numel() * pool.k.element_size() * 2
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    hidden = model(input_ids, positions, attention, pool, attention.prepare(layout))
+    hidden = model(input_ids, positions, attention, pool, model.prepare_attention(attention, layout))
     model.compute_logits(hidden[: min(num_sampled, num_tokens)])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - pool_bytes

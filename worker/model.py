@@ -1,7 +1,11 @@
-"""Llama-family decoder over one flat batch of tokens from many sequences (no padding).
+"""One decoder for the families metroserve serves, over one flat batch of tokens (no padding).
 
-Matches Hugging Face's LlamaForCausalLM numerically (same op order in RMSNorm, RoPE, SwiGLU),
-with Q/K/V and gate/up projections fused into one matmul each, and logits computed only for the
+Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3 and Gemma 2/3 are the same pre-norm decoder with a few
+switches (`Family`): biases on the attention projections, RMSNorm of each query and key head, a
+weight offset in RMSNorm, the MLP's activation, a scaled embedding, norms on both sides of each
+sublayer, sliding-window layers, a query scale and tanh soft-capping of attention and final logits.
+Each switch matches Hugging Face's modeling code for that family numerically (same op order).
+Q/K/V and gate/up projections are fused into one matmul each, and logits are computed only for the
 rows that are sampled.
 """
 
@@ -9,19 +13,55 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metroserve.worker.attention import AttentionBackend
+from metroserve.worker.attention import AttentionBackend, BatchLayout
 from metroserve.worker.kv_cache import KVCache
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model family changes in the shared decoder (defaults: Llama)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): Gemma stores weight - 1
+    activation: str = "silu"  # of the gate: silu, or gelu_pytorch_tanh (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
+
+
+# model_type -> its family; config fields (attention_bias, mlp_bias) may add biases on top.
+FAMILIES = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True),
+    "phi3": Family(),
+    "gemma2": Family(norm_offset=1.0, activation="gelu_pytorch_tanh", embed_scale=True, sandwich_norms=True),
+    "gemma3_text": Family(qk_norm=True, norm_offset=1.0, activation="gelu_pytorch_tanh", embed_scale=True,
+                          sandwich_norms=True),
+}
+
+
+@dataclass
+class Rope:
+    theta: float
+    scaling: dict | None = None  # linear or llama3 scaling parameters; None: plain RoPE
 
 
 @dataclass
 class ModelConfig:
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,86 +70,153 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    rope: Rope  # of full-attention layers
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: list[int]
+    family: Family = field(default_factory=Family)
+    mlp_bias: bool = False
+    layer_types: list[str] = field(default_factory=list)  # per layer: FULL or SLIDING
+    sliding_window: int | None = None  # tokens a SLIDING layer's query sees, itself included
+    local_rope: Rope | None = None  # of sliding layers when it differs (Gemma 3)
+    rotary_dim: int = 0  # leading dims of each head that RoPE rotates (Phi-3's partial rotary)
+    query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        raw = json.loads((Path(path) / "config.json").read_text())
-        archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-            raise ValueError(f"{path}: only Llama-family models are supported, "
-                             f"got model_type={raw.get('model_type')!r}")
-        # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
-            rope = {}
-        eos = raw.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type", "llama")
+        if model_type == "gemma3":  # a multimodal checkpoint: serve its text model
+            raise ValueError("model_type 'gemma3' is Gemma 3's vision-language model; serve a text-only "
+                             "checkpoint (model_type gemma3_text)")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        family = FAMILIES[model_type]
+        if raw.get("attention_bias"):  # Llama, Qwen3, Gemma: every attention projection
+            family = Family(**{**family.__dict__, "qkv_bias": True, "o_bias": True})
         heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        full_rope, local_rope, partial = _ropes(raw)
+        num_layers = raw["num_hidden_layers"]
+        window = raw.get("sliding_window")
+        layer_types = _layer_types(raw, model_type, num_layers, window)
+        eos = raw.get("eos_token_id")
+        query_scalar = raw.get("query_pre_attn_scalar")
         return cls(
+            model_type=model_type,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=rope or None,
+            rope=full_rope,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", model_type.startswith("gemma")),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            family=family,
+            mlp_bias=bool(raw.get("mlp_bias")),
+            layer_types=layer_types,
+            sliding_window=window if SLIDING in layer_types else None,
+            local_rope=local_rope,
+            rotary_dim=int(head_dim * partial),
+            query_scale=query_scalar ** -0.5 if query_scalar else None,
+            attn_softcap=raw.get("attn_logit_softcapping"),
+            final_softcap=raw.get("final_logit_softcapping"),
         )
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the config's scaling (default, linear, llama3), as transformers computes them."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
+def _rope(params: dict, default_theta: float) -> Rope:
+    """A Rope from rope_parameters (transformers 5) or rope_scaling (4.x) entries."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", default_theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    return Rope(theta, None if kind == "default" else params)
+
+
+def _ropes(raw: dict[str, Any]) -> tuple[Rope, Rope | None, float]:
+    """(full layers' RoPE, sliding layers' RoPE when it differs, partial rotary factor)."""
+    theta = float(raw.get("rope_theta", 10000.0))
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if FULL in params:  # Gemma 3, transformers 5: one entry per layer type
+        return _rope(params[FULL], theta), _rope(params[SLIDING], theta), partial
+    rest = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    local = raw.get("rope_local_base_freq")  # Gemma 3, transformers 4.x
+    return _rope(rest, theta), Rope(float(local)) if local else None, partial
+
+
+def _layer_types(raw: dict[str, Any], model_type: str, num_layers: int, window: int | None) -> list[str]:
+    """Per layer: FULL or SLIDING, as transformers decides it for the family."""
+    if not window:
+        return [FULL] * num_layers
+    if raw.get("layer_types"):
+        return list(raw["layer_types"])
+    if model_type in ("mistral", "phi3"):
+        return [SLIDING] * num_layers
+    if model_type in ("qwen2", "qwen3"):
+        first = raw.get("max_window_layers", num_layers) if raw.get("use_sliding_window") else num_layers
+        return [SLIDING if i >= first else FULL for i in range(num_layers)]
+    if model_type == "gemma2":
+        return [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+    if model_type == "gemma3_text":
+        pattern = raw.get("sliding_window_pattern", 6)
+        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    return [FULL] * num_layers
+
+
+def rope_inv_freq(rope: Rope, dim: int) -> torch.Tensor:
+    """Inverse frequencies of a `dim`-wide rotation with the rope's scaling, as transformers computes them."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = rope.scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind is None:
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    assert kind == "llama3", kind  # _rope admits no other
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset  # the norm multiplies by offset + weight (Gemma: 1)
         self.kernels = None  # the compiled CPU kernels, when the model runs on them (use_cpu_kernels)
+        self.kernel_weight: torch.Tensor | None = None  # offset + weight, for the kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of x; with a residual, first residual += x (in place) and the norm is of that sum."""
         if self.kernels is not None:
             if residual is None:
-                return self.kernels.rms_norm(x, self.weight, self.eps)
-            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+                return self.kernels.rms_norm(x, self.kernel_weight, self.eps)
+            return self.kernels.add_rms_norm(x, residual, self.kernel_weight, self.eps)
         if residual is not None:
             x = residual.add_(x)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        weight = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,11 +235,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T, through the weight's pre-packed oneDNN copy when it has one (pack_cpu_weights)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), through the weight's pre-packed oneDNN copy when it has one (pack_cpu_weights)."""
     if packed is None:
-        return F.linear(x, weight)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # Up to this many rows (decode steps), a projection runs through the compiled kernel's panels: on a
@@ -142,90 +250,159 @@ PANEL_MAX_ROWS = 256
 
 
 class Linear(nn.Linear):
-    """A bias-free projection that multiplies through its pre-packed weights when it has them: the
-    compiled kernel's panels for small batches (use_cpu_kernels), oneDNN's packing (pack_cpu_weights)."""
+    """A projection that multiplies through its pre-packed weights when it has them: the compiled
+    kernel's panels for small batches (use_cpu_kernels), oneDNN's packing (pack_cpu_weights)."""
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
         self.kernels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] <= PANEL_MAX_ROWS:
-            return self.kernels.packed_linear(x, self.panels, self.out_features)
-        return linear(x, self.weight, self.packed)
+            out = self.kernels.packed_linear(x, self.panels, self.out_features)
+            return out if self.bias is None else out.add_(self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_type: str):
         super().__init__()
+        fam = cfg.family
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.sliding_window: int | None = cfg.sliding_window if layer_type == SLIDING else None
+        self.rope_key: str = SLIDING if layer_type == SLIDING and cfg.local_rope is not None else FULL
+        # Only what differs from the backends' defaults, so every backend takes the plain call.
+        self.attention_options: dict[str, float] = {}
+        if cfg.query_scale is not None:
+            self.attention_options["scale"] = cfg.query_scale
+        if cfg.attn_softcap:
+            self.attention_options["softcap"] = cfg.attn_softcap
+        self.activation = fam.activation
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, cfg.rms_norm_eps, fam.norm_offset)
+
+        self.input_layernorm = norm(cfg.hidden_size)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, fam.qkv_bias)
+        self.q_norm = norm(cfg.head_dim) if fam.qk_norm else None
+        self.k_norm = norm(cfg.head_dim) if fam.qk_norm else None
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, fam.o_bias)
+        self.post_attention_layernorm = norm(cfg.hidden_size)
+        self.pre_feedforward_layernorm = norm(cfg.hidden_size) if fam.sandwich_norms else None
+        self.post_feedforward_layernorm = norm(cfg.hidden_size) if fam.sandwich_norms else None
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.kernels = None  # the compiled CPU kernels, when the model runs on them (use_cpu_kernels)
 
-    def forward(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend, kv_cache: KVCache, metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend, kv_cache: KVCache,
+                metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (or the embeddings, with residual None). Each residual add
         is fused into the norm after it; returns (this layer's MLP output, residual stream so far)."""
-        t = x.shape[0]
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
-        qkv = self.qkv_proj(h)
+        q, k, v = self._qkv(self.qkv_proj(h), *rope)
+        o = self.o_proj(attn.forward(layer, q, k, v, kv_cache, metadata, **self.attention_options))
+        if self.pre_feedforward_layernorm is not None:  # Gemma: norm the attention output, then add and norm
+            h = self.pre_feedforward_layernorm(self.post_attention_layernorm(o), residual)
+        else:
+            h = self.post_attention_layernorm(o, residual)
+        out = self.down_proj(self._act(self.gate_up_proj(h)))
+        if self.post_feedforward_layernorm is not None:
+            out = self.post_feedforward_layernorm(out)
+        return out, residual
+
+    def _qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the fused projection into q [T, H, D], k and v [T, Hkv, D]; q and k per-head normed
+        (when the family does) and rotated."""
+        t = qkv.shape[0]
+        qk_size = self.q_size + self.kv_size
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv[:, : self.q_size] = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim)).view(t, -1)
+            qkv[:, self.q_size : qk_size] = self.k_norm(
+                qkv[:, self.q_size : qk_size].reshape(-1, self.head_dim)).view(t, -1)
         # Q and K are adjacent in the fused output: one RoPE pass rotates both.
         rotated = self.num_heads + self.num_kv_heads
-        if self.kernels is not None:
+        qk = qkv[:, :qk_size].view(t, rotated, self.head_dim)
+        if self.kernels is not None and self.rotary_dim == self.head_dim:
             self.kernels.rotary_embedding(qkv, rotated, self.head_dim, cos, sin)
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, rotated, self.head_dim)
-        else:
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, rotated, self.head_dim),
-                            cos[:, None, :], sin[:, None, :])
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        h = self.post_attention_layernorm(self.o_proj(attn.forward(layer, q, k, v, kv_cache, metadata)), residual)
-        gate_up = self.gate_up_proj(h)
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up)), residual
+        elif self.rotary_dim == self.head_dim:
+            qk = apply_rope(qk, cos[:, None, :], sin[:, None, :])
+        else:  # partial rotary: the leading rotary_dim of each head turn, the rest pass through
+            qk = qk.clone()
+            qk[..., : self.rotary_dim] = apply_rope(qk[..., : self.rotary_dim], cos[:, None, :], sin[:, None, :])
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu" and self.kernels is not None:
+            return self.kernels.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up)), residual
+        if self.activation == "silu":
+            return F.silu(gate, inplace=True).mul_(up)
+        return F.gelu(gate, approximate="tanh").mul_(up)
 
 
-class LlamaForCausalLM(nn.Module):
-    inv_freq: torch.Tensor  # a buffer (register_buffer): computed from the config, not loaded
+# A step's attention metadata per sliding window (None: full attention), from prepare_attention.
+AttentionMetadata = dict[int | None, object]
 
+
+class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layers = [DecoderLayer(cfg, cfg.layer_types[i] if cfg.layer_types else FULL) for i in range(cfg.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        # Per layer: (its RoPE, its window) - the step's cos/sin and attention metadata it takes.
+        self.layer_inputs: list[tuple[str, int | None]] = [(layer.rope_key, layer.sliding_window) for layer in layers]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.windows: list[int | None] = sorted({w for _, w in self.layer_inputs}, key=lambda w: w or 0)
+        self.inv_freq: dict[str, torch.Tensor] = {}  # per rope key; computed, not loaded (init_rope)
+
+    def init_rope(self, device: torch.device) -> None:
+        dim = self.cfg.rotary_dim
+        self.inv_freq = {FULL: rope_inv_freq(self.cfg.rope, dim).to(device)}
+        if self.cfg.local_rope is not None:
+            self.inv_freq[SLIDING] = rope_inv_freq(self.cfg.local_rope, dim).to(device)
+
+    def prepare_attention(self, attn: AttentionBackend, layout: BatchLayout) -> AttentionMetadata:
+        """The backend's metadata for this step, once per sliding window the layers use."""
+        return {w: attn.prepare(layout, sliding_window=w) for w in self.windows}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache,
-                metadata: object) -> torch.Tensor:
+                metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch; K/V of every token land in the pool."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         x = self.embed_tokens(input_ids)
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)  # [T, head_dim / 2]
+        if self.cfg.family.embed_scale:  # HF rounds the factor to the activations' dtype first
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        ropes = {}
+        for key, inv_freq in self.inv_freq.items():
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+            ropes[key] = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)  # [T, rotary_dim / 2]
         residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(i, x, residual, cos, sin, attn, kv_cache, metadata)
+        for i, (layer, (rope, window)) in enumerate(zip(self.layers, self.layer_inputs)):
+            x, residual = layer(i, x, residual, ropes[rope], attn, kv_cache, metadata[window])
         assert residual is not None, "a model has at least one layer"
         return residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(self.norm(hidden), self.lm_head_weight(), self.lm_head_packed).float()
+        logits = linear(self.norm(hidden), self.lm_head_weight(), self.lm_head_packed).float()
+        return softcap(logits, self.cfg.final_softcap) if self.cfg.final_softcap else logits
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -259,6 +436,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, DecoderLayer, Linear)):
                 module.kernels = kernels
+            if isinstance(module, RMSNorm):
+                module.kernel_weight = (module.weight.detach() + module.offset).contiguous()
             if isinstance(module, Linear):
                 module.panels = kernels.pack_linear_weight(module.weight.detach())
 
@@ -274,7 +453,7 @@ class LlamaForCausalLM(nn.Module):
         """
         parts = name.removeprefix("model.").split(".")
         if parts[0] == "layers" and len(parts) == 5:
-            # layers.N.{self_attn,mlp}.X.weight: our layers have no submodule level.
+            # layers.N.{self_attn,mlp}.X.{weight,bias}: our layers have no submodule level.
             layer = self.layers[int(parts[1])]
             assert isinstance(layer, DecoderLayer)
             if parts[3] in self._FUSED:
@@ -282,8 +461,11 @@ class LlamaForCausalLM(nn.Module):
                 sizes = ([layer.q_size, layer.kv_size, layer.kv_size] if fused == "qkv_proj"
                          else [self.cfg.intermediate_size] * 2)
                 offset = sum(sizes[:shard])
-                getattr(layer, fused).weight.data[offset : offset + sizes[shard]].copy_(tensor)
-                return f"layers.{parts[1]}.{fused}.weight[{shard}]"
+                target = f"layers.{parts[1]}.{fused}.{parts[4]}"
+                if target not in params:
+                    return None
+                params[target].data[offset : offset + sizes[shard]].copy_(tensor)
+                return f"{target}[{shard}]"
             parts = parts[:2] + parts[3:]
         target = ".".join(parts)
         if target not in params:
@@ -291,14 +473,13 @@ class LlamaForCausalLM(nn.Module):
         params[target].data.copy_(tensor)
         return target
 
-    def expected_loads(self) -> set[str]:
-        """Every name load_hf_tensor must have filled for the model to be complete."""
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight"):
-                names.update(f"{name}[{i}]" for i in range(3))
-            elif name.endswith("gate_up_proj.weight"):
-                names.update(f"{name}[{i}]" for i in range(2))
-            else:
-                names.add(name)
-        return names
+    def missing_loads(self, loaded: set[str]) -> set[str]:
+        """What load_hf_tensor has yet to fill, given what it filled: a fused parameter is complete
+        when all its shards were filled, or it was filled whole (Phi-3 checkpoints store it fused)."""
+        shards: dict[str, int] = {}
+        for name in loaded:
+            if name.endswith("]"):
+                base = name[: name.rindex("[")]
+                shards[base] = shards.get(base, 0) + 1
+        complete = {base for base, n in shards.items() if n == (3 if ".qkv_proj." in base else 2)}
+        return {name for name, _ in self.named_parameters()} - loaded - complete

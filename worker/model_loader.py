@@ -1,4 +1,4 @@
-"""Load weights and tokenizer from a Hugging Face-format model directory."""
+"""Load a model's weights from a Hugging Face-format directory into the shared decoder (worker/model.py)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from metroserve.worker.cpu_kernels import load_cpu_kernels
-from metroserve.worker.model import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from metroserve.worker.model import DecoderForCausalLM, ModelConfig
 from metroserve.worker.model_files import ModelLoadError
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Our Llama with the directory's safetensors weights, showing a progress bar over tensors."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """The decoder for the directory's config with its safetensors weights, showing a progress bar over tensors."""
     try:
         cfg = ModelConfig.from_dir(model_dir)
     except (KeyError, ValueError, OSError) as e:
-        raise ModelLoadError(f"{model_dir}/config.json is not a usable Llama config: {e}") from e
+        raise ModelLoadError(f"{model_dir}/config.json: {e}") from e
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weight files")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = DecoderForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
-    # Built on the meta device to skip random init; the RoPE buffer is computed, not loaded.
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    # Built on the meta device to skip random init; RoPE frequencies are computed, not loaded.
+    model.init_rope(device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     handles = []
@@ -45,7 +45,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
         raise
     except Exception as e:  # safetensors raises several types for truncated or corrupt files
         raise ModelLoadError(f"cannot read weights from {model_dir}: {type(e).__name__}: {e}") from e
-    missing = model.expected_loads() - loaded
+    missing = model.missing_loads(loaded)
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
     model.pack_cpu_weights()

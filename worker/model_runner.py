@@ -17,7 +17,7 @@ import torch
 from metroserve.worker.attention import AttentionBackend, BatchLayout, block_tables_to_slots
 from metroserve.worker.batcher import ScheduledBatch
 from metroserve.worker.kv_cache import KVCache
-from metroserve.worker.model import LlamaForCausalLM
+from metroserve.worker.model import DecoderForCausalLM
 from metroserve.worker.sampler import Sampler
 from metroserve.worker.sequence import Sequence
 from metroserve.worker.spec_decode.draft_proposer import DraftModelProposer
@@ -34,7 +34,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, attention: AttentionBackend, sampler: Sampler,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, attention: AttentionBackend, sampler: Sampler,
                  device: torch.device, drafter: DraftModelProposer | None = None,
                  graphs: CudaGraphRunner | None = None):
         self.model = model
@@ -61,7 +61,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(layout):
             hidden = self.graphs.run(input_ids, positions, layout)
         else:
-            hidden = self.model(input_ids, positions, self.attention, self.kv_cache, self.attention.prepare(layout))
+            hidden = self.model(input_ids, positions, self.attention, self.kv_cache,
+                                self.model.prepare_attention(self.attention, layout))
         if self.drafter is not None:
             self.drafter.mirror(input_ids, positions, layout)
         if not sample_seqs:

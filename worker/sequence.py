@@ -50,6 +50,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[BlockHash] = []  # chained hashes of the full blocks of token_ids
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_released_blocks = 0  # leading blocks behind every layer's sliding window, given back
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -2,8 +2,8 @@
 block-table arithmetic.
 
 The model runner describes a step's flat batch once (BatchLayout); a backend turns that into
-whatever metadata its kernels want (prepare, once per step) and then, per layer, writes the new
-K/V into their slots and attends over each sequence's paged context (forward).
+whatever metadata its kernels want (prepare, once per step and sliding window) and then, per
+layer, writes the new K/V into their slots and attends over each sequence's paged context (forward).
 """
 
 from __future__ import annotations
@@ -33,12 +33,31 @@ M = TypeVar("M")
 
 
 class AttentionBackend(Protocol[M]):
-    """prepare builds the backend's metadata M once per step; forward consumes it in every layer."""
+    """prepare builds the backend's metadata M once per step; forward consumes it in every layer.
 
-    def prepare(self, layout: BatchLayout) -> M: ...
+    prepare(layout, sliding_window=w) is the metadata of the layers with window w: a query at
+    position p sees the keys at positions (p - w, p], its last w tokens (Hugging Face's
+    sliding_window_overlay); None is full causal attention. forward's scale multiplies q . k
+    (None: head_dim ** -0.5); with softcap c (Gemma 2's attn_logit_softcapping) a score s becomes
+    c * tanh(s / c) before the mask and the softmax.
+    """
+
+    def prepare(self, layout: BatchLayout, sliding_window: int | None = None) -> M: ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: M) -> torch.Tensor: ...
+                metadata: M, scale: float | None = None, softcap: float | None = None) -> torch.Tensor: ...
+
+
+def window_size(sliding_window: int | None) -> int:
+    """The metadata's form of a window: 0 for none."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
+    return sliding_window or 0
+
+
+def first_visible(seq_len: int, window: int) -> int:
+    """Position of the first key that the query at position seq_len - 1 sees (window 0: none)."""
+    return max(0, seq_len - window) if window else 0
 
 
 def block_tables_to_slots(block_tables: list[list[int]], seq_index: np.ndarray, positions: np.ndarray,

@@ -4,8 +4,9 @@ The torch backend gathers each decode's whole context into a padded tensor every
 that copy costs as much as the attention itself. csrc/paged_decode_attention.cpp walks the block
 table instead, and csrc/paged_prefill_attention.cpp does the same for prefill chunks (causal,
 after any cached or earlier-chunk context), 1.6x faster than SDPA's flash kernel on the
-throughput workload's prompts. Both are built with the other CPU kernels (cpu_kernels.py). The KV
-write is the torch backend's.
+throughput workload's prompts. Both are built with the other CPU kernels (cpu_kernels.py) and
+take a sliding window (a windowed query's loops start at its first visible key) and a soft-cap
+as plain arguments. The KV write is the torch backend's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metroserve.worker.attention.base import MAX_ROW_QUERY, BatchLayout, query_rows
+from metroserve.worker.attention.base import MAX_ROW_QUERY, BatchLayout, query_rows, window_size
 from metroserve.worker.attention.torch_backend import write_kv
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.kv_cache import KVCache
@@ -30,6 +31,7 @@ class CpuMetadata:
     decode_index: torch.Tensor  # [n] rows of the flat batch that attend as single-token queries
     block_tables: torch.Tensor  # [n, max_blocks] int64
     seq_lens: torch.Tensor  # [n] int64
+    sliding_window: int = 0  # keys a query sees at most (its own included); 0: all before it
 
 
 class CpuAttention:
@@ -44,7 +46,7 @@ class CpuAttention:
         """The shapes the kernels are instantiated for (see csrc/)."""
         return head_dim in (16, 32, 64, 128, 256)
 
-    def prepare(self, layout: BatchLayout) -> CpuMetadata:
+    def prepare(self, layout: BatchLayout, sliding_window: int | None = None) -> CpuMetadata:
         rows = query_rows(layout)
         chunks = [i for i, n in enumerate(layout.query_lens) if n > MAX_ROW_QUERY]
         return CpuMetadata(
@@ -56,21 +58,24 @@ class CpuAttention:
             decode_index=torch.tensor(rows.token_index, dtype=torch.int64),
             block_tables=layout.block_table_tensor[rows.seq_index],
             seq_lens=torch.tensor(rows.seq_lens, dtype=torch.int64),
+            sliding_window=window_size(sliding_window),
         )
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: CpuMetadata) -> torch.Tensor:
+                metadata: CpuMetadata, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
         k_pool, v_pool = write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        scale = head_dim ** -0.5
+        scale = head_dim ** -0.5 if scale is None else scale
+        window, cap = metadata.sliding_window, softcap or 0.0
         if metadata.prefill_start.numel():
             self.kernels.paged_prefill_attention(q, k_pool, v_pool, metadata.prefill_tables, metadata.prefill_start,
-                                                 metadata.prefill_query_lens, metadata.prefill_seq_lens, scale, out)
+                                                 metadata.prefill_query_lens, metadata.prefill_seq_lens, scale, window,
+                                                 cap, out)
         if metadata.decode_index.numel():
             qd = q.index_select(0, metadata.decode_index)
             od = self.kernels.paged_decode_attention(qd, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
-                                                     scale)
+                                                     scale, window, cap)
             out.index_copy_(0, metadata.decode_index, od)
         return out.view(num_tokens, num_heads * head_dim)

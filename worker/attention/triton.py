@@ -9,6 +9,11 @@ special. A small decode batch splits each context among several programs (split-
 flash-decoding) and a second kernel merges their partial softmaxes. The KV write stores each new
 token's K and V in the slot the block manager gave it.
 
+A sliding window is a scalar argument (the metadata's sliding_window, 0: none): a tile's key
+tiles start at the first key its first query sees, and keys before each query's window are
+masked. Soft-capping (Gemma 2) maps scores through tanh before the mask. Both are compile-time
+switches too, so a kernel without them is the plain causal one.
+
 Both kernels also run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set before
 this module is imported): that is how CI checks them against the torch backend. Padded rows of
 a CUDA-graph batch carry slot -1 (nothing written) and query length 0 (nothing computed).
@@ -25,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metroserve.worker.attention.base import BatchLayout
+from metroserve.worker.attention.base import BatchLayout, window_size
 from metroserve.worker.kv_cache import KVCache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,15 +56,17 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 # The block-table width changes from step to step; specializing on its divisibility by 16 would
-# compile a second variant mid-run for no gain.
-@triton.jit(do_not_specialize=["stride_table"])
+# compile a second variant mid-run for no gain. Likewise the window's.
+@triton.jit(do_not_specialize=["stride_table", "sliding_window"])
 def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                             block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_start_ptr, scale_log2,
+                            sliding_window, softcap_log2,
                             num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_block, stride_slot, stride_head, stride_table,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+                            TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
+                            HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -83,12 +90,15 @@ def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_c
 
     # Keys up to the tile's last real query; a tile past its sequence's query (padding) reads none.
     kv_len = tl.where(tile_start < q_len, seq_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len), 0)
+    # Keys from the first one the tile's first query sees (0 without a window).
+    kv_first = tl.where(sliding_window > 0, tl.maximum(seq_len - q_len + tile_start - sliding_window + 1, 0), 0)
     # Keys go TILE_N at a time, whatever the block size: each key finds its block in the table.
     # Split-KV decode: this program walks one contiguous share of the key tiles (all when unsplit).
-    num_kv_tiles = tl.cdiv(kv_len, TILE_N)
-    per_segment = tl.cdiv(num_kv_tiles, NUM_SEGMENTS)
-    first_tile = segment * per_segment
-    last_tile = tl.minimum(first_tile + per_segment, num_kv_tiles)
+    window_tile = kv_first // TILE_N
+    end_tile = tl.maximum(tl.cdiv(kv_len, TILE_N), window_tile)
+    per_segment = tl.cdiv(end_tile - window_tile, NUM_SEGMENTS)
+    first_tile = window_tile + segment * per_segment
+    last_tile = tl.minimum(first_tile + per_segment, end_tile)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -101,6 +111,8 @@ def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_c
     for kv_tile in range(first_tile, last_tile):
         k_pos = kv_tile * TILE_N + tl.arange(0, TILE_N)
         k_ok = k_pos < kv_len
+        if HAS_WINDOW:  # the first key tile may start before the window: read none of that
+            k_ok = k_ok & (k_pos >= kv_first)
         block = next_block.to(tl.int64)
         next_pos = k_pos + TILE_N
         next_block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < kv_len, other=0)
@@ -109,7 +121,12 @@ def _paged_attention_kernel(out_ptr, partial_acc_ptr, partial_ml_ptr, q_ptr, k_c
         k = tl.load(k_cache_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        if HAS_SOFTCAP:  # c tanh(s / c) in natural-log units is this in base-2 units (softcap_log2 = c log2(e))
+            s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s / softcap_log2) - 1.0)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         p = tl.exp2(s - m_safe[:, None])
@@ -157,6 +174,7 @@ class TritonMetadata:
     tile_start: torch.Tensor  # [tiles] int32: the tile's first query token inside its sequence
     block_q: int
     num_segments: int = 1  # > 1: split-KV decode (each tile's key tiles shared among this many programs)
+    sliding_window: int = 0  # keys a query sees at most (its own included); 0: all before it
 
 
 def _pow2(n: int) -> int:
@@ -185,7 +203,6 @@ class TritonAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.split_kv = split_kv
-        self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         # float32 attends in full precision (as the torch backend does), not TF32.
         self.precision = "ieee" if dtype == torch.float32 else "tf32"
 
@@ -197,7 +214,7 @@ class TritonAttention:
         small = num_seqs * self.num_kv_heads < self.SPLIT_KV_BELOW
         return self.SPLIT_KV_SEGMENTS if self.split_kv and small else 1
 
-    def prepare(self, layout: BatchLayout) -> TritonMetadata:
+    def prepare(self, layout: BatchLayout, sliding_window: int | None = None) -> TritonMetadata:
         q_lens = np.asarray(layout.query_lens, dtype=np.int32)
         decode_only = q_lens.max(initial=1) <= self.decode_block_q()
         block_q = max(1, (self.DECODE_ROWS if decode_only else self.PREFILL_ROWS) // self.group_pad)
@@ -219,16 +236,17 @@ class TritonAttention:
         seq_lens, query_start_t, tile_seq_t, tile_start_t = (
             device_packed[start : start + len(part)] for part, start in zip(parts, starts))
         return TritonMetadata(layout.slot_mapping, layout.block_table_tensor, seq_lens, query_start_t, tile_seq_t,
-                              tile_start_t, block_q, self.decode_segments(len(q_lens)) if decode_only else 1)
+                              tile_start_t, block_q, self.decode_segments(len(q_lens)) if decode_only else 1,
+                              window_size(sliding_window))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: TritonMetadata) -> torch.Tensor:
+                metadata: TritonMetadata, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (last dim contiguous). Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
         k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
         self.write_kv(k, v, k_pool, v_pool, metadata.slot_mapping)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        self.attend(q, k_pool, v_pool, metadata, out)
+        self.attend(q, k_pool, v_pool, metadata, out, scale, softcap)
         return out.view(num_tokens, num_heads * head_dim)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -241,11 +259,14 @@ class TritonAttention:
             HEAD_DIM=self.head_dim, HEAD_DIM_PAD=_pow2(self.head_dim))
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: TritonMetadata,
-               out: torch.Tensor) -> None:
+               out: torch.Tensor, scale: float | None = None, softcap: float | None = None) -> None:
         num_tiles, segments = metadata.tile_seq.shape[0], metadata.num_segments
         if num_tiles == 0:
             return
         head_dim_pad = _pow2(self.head_dim)
+        # The kernel's softmax is in base 2: scores (and the cap) are scaled by log2(e).
+        scale_log2 = (self.head_dim ** -0.5 if scale is None else scale) * math.log2(math.e)
+        softcap_log2 = (softcap or 0.0) * math.log2(math.e)
         partial_acc = partial_ml = out  # unused without a split
         if segments > 1:
             num_tokens = q.shape[0]
@@ -254,12 +275,14 @@ class TritonAttention:
             partial_ml = torch.zeros((num_tokens, self.num_heads, segments, 2), dtype=torch.float32, device=q.device)
         _paged_attention_kernel[(num_tiles, self.num_kv_heads, segments)](
             out, partial_acc, partial_ml, q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start, metadata.tile_seq, metadata.tile_start, self.scale_log2, self.num_heads,
+            metadata.query_start, metadata.tile_seq, metadata.tile_start, scale_log2, metadata.sliding_window,
+            softcap_log2, self.num_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), metadata.block_tables.stride(0),
             GROUP=self.group, GROUP_PAD=self.group_pad, BLOCK_Q=metadata.block_q,
             BLOCK_M=metadata.block_q * self.group_pad, HEAD_DIM=self.head_dim, HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, NUM_SEGMENTS=segments, PRECISION=self.precision)
+            BLOCK_SIZE=self.block_size, TILE_N=self.tile_n, NUM_SEGMENTS=segments, PRECISION=self.precision,
+            HAS_WINDOW=metadata.sliding_window > 0, HAS_SOFTCAP=softcap is not None)
         if segments > 1:
             _merge_segments_kernel[(q.shape[0], self.num_heads)](
                 out, partial_acc, partial_ml, self.num_heads, out.stride(0), out.stride(1),

@@ -1,26 +1,33 @@
 // The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention, the layer's fused
-// elementwise steps and the small-batch projection GEMM, one build.
+// elementwise steps and the small-batch projection GEMM, one build. With METROSERVE_ATTENTION_ONLY
+// defined, attention alone: the tests build it so for the instruction sets this machine does not
+// select (tests/test_cpu_kernels.py).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t sliding_window, double softcap);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor query_start, torch::Tensor query_lens, torch::Tensor seq_lens, double scale,
-                             torch::Tensor out);
+                             int64_t sliding_window, double softcap, torch::Tensor out);
+#ifndef METROSERVE_ATTENTION_ONLY
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_embedding(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor pack_linear_weight(torch::Tensor w);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU, float32)");
+#ifndef METROSERVE_ATTENTION_ONLY
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, gate | up] (CPU, float32)");
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of a row's first heads, in place (CPU, float32)");
   m.def("pack_linear_weight", &pack_linear_weight, "a [N, K] weight in the column panels packed_linear reads");
   m.def("packed_linear", &packed_linear, "x @ W^T through pack_linear_weight's panels (CPU, float32)");
+#endif
 }

@@ -13,6 +13,10 @@
 // and 64 values of each sequence not prefetched, 66 ms now. The loads are then bound by how many
 // misses a core keeps in flight (the prefetch instructions stall; fewer or later ones are slower).
 // The portable loops are the fallback for other CPUs and the last keys.
+//
+// A sliding window (Mistral, Gemma) limits a query to its last `sliding_window` keys: the task's
+// row table starts at the first of them, so the loops below never see, nor fetch, older keys.
+// Soft-capping (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -23,9 +27,10 @@
 #include <immintrin.h>
 #endif
 
-// Pool offset of each context token's row (block table lookup done once per task, not per head).
-static void row_offsets(const int64_t* table, int64_t L, int64_t bs, int64_t token_stride, int64_t* rows) {
-  for (int64_t t = 0; t < L; ++t) rows[t] = (table[t / bs] * bs + t % bs) * token_stride;
+// Pool offset of the rows of context tokens [first, end) (block table lookup done once per task, not per head).
+static void row_offsets(const int64_t* table, int64_t first, int64_t end, int64_t bs, int64_t token_stride,
+                        int64_t* rows) {
+  for (int64_t t = first; t < end; ++t) rows[t - first] = (table[t / bs] * bs + t % bs) * token_stride;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -130,8 +135,12 @@ static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int
 // Query heads [0, NQ) of one sequence: head i reads KV head i / G of each row.
 template <int D>
 static void decode_task(const float* qb, const float* kp, const float* vp, const int64_t* rows, int64_t L, int64_t NQ,
-                        int64_t G, float scale, float* scores, float* sums, float* ob) {
+                        int64_t G, float scale, float softcap, float* scores, float* sums, float* ob) {
   key_scores<D>(qb, kp, vp, rows, L, NQ, G, scale, scores);
+  if (softcap > 0.f) {
+    const float inv = 1.f / softcap;
+    for (int64_t i = 0; i < NQ * L; ++i) scores[i] = softcap * std::tanh(scores[i] * inv);
+  }
   for (int64_t g = 0; g < NQ; ++g) {
     float* sg = scores + g * L;
     float m = -INFINITY;
@@ -152,7 +161,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
                                      torch::Tensor v_cache,      // same
                                      torch::Tensor block_tables, // [B, max_blocks] int64
                                      torch::Tensor seq_lens,     // [B] int64
-                                     double scale) {
+                                     double scale,
+                                     int64_t sliding_window,     // keys each query sees at most; 0: all
+                                     double softcap) {           // 0: none
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
@@ -175,11 +186,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
   const int64_t kv_per_task = B >= 2 * at::get_num_threads() ? Hkv : 1;
   const int64_t tasks_per_seq = Hkv / kv_per_task;
   const int64_t num_tasks = B * tasks_per_seq;
-  // Longest sequences first (see task_queue.h).
+  // The first key each sequence's query sees.
+  std::vector<int64_t> first(B);
+  for (int64_t b = 0; b < B; ++b) first[b] = sliding_window > 0 ? std::max<int64_t>(0, lp[b] - sliding_window) : 0;
+  const auto keys = [&](int64_t task) { return lp[task / tasks_per_seq] - first[task / tasks_per_seq]; };
+  // Most keys first (see task_queue.h).
   std::vector<int64_t> order(num_tasks);
   for (int64_t i = 0; i < num_tasks; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return lp[a / tasks_per_seq] > lp[b / tasks_per_seq]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys(a) > keys(b); });
   struct Scratch {
     std::vector<float> scores, sums;
     std::vector<int64_t> rows;
@@ -188,22 +202,23 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
   run_tasks_in_order(num_tasks, make_scratch, [&](Scratch& w, int64_t i) {
     const int64_t task = order[i];
     const int64_t b = task / tasks_per_seq, h = task % tasks_per_seq * kv_per_task;
-    const int64_t L = lp[b];
+    const int64_t L = lp[b] - first[b];
     const int64_t nq = kv_per_task * G;
     w.scores.resize(nq * L);
     w.rows.resize(L);
-    row_offsets(tp + b * max_blocks, L, bs, Hkv * D, w.rows.data());
+    row_offsets(tp + b * max_blocks, first[b], lp[b], bs, Hkv * D, w.rows.data());
     const float* qb = qp + (b * H + h * G) * D;
     const float* kh = kp + h * D;  // the task's first KV head in every row
     const float* vh = vp + h * D;
     float* ob = op + (b * H + h * G) * D;
-    const float s = static_cast<float>(scale);
+    const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
+    const int64_t* rows = w.rows.data();
     switch (D) {
-      case 16: decode_task<16>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
-      case 32: decode_task<32>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
-      case 64: decode_task<64>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
-      case 128: decode_task<128>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob); break;
-      default: decode_task<256>(qb, kh, vh, w.rows.data(), L, nq, G, s, w.scores.data(), w.sums.data(), ob);
+      case 16: decode_task<16>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      case 32: decode_task<32>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      case 64: decode_task<64>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      case 128: decode_task<128>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      default: decode_task<256>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob);
     }
   });
   return out;

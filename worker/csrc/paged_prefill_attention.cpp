@@ -13,8 +13,14 @@
 // masked, and tiles past it are never read, so a causal chunk costs half the products of a full
 // one. On the throughput workload's 64 prompts (SmolLM2 shapes, 2-core Zen 4): torch's flash
 // kernel (SDPA) runs at 53-98 GFLOPS, the AVX2 tiles with libm's exp at 94, these at 137.
+//
+// With a sliding window a task's key tiles start at the first key its first query row sees, and
+// a tile that some row's window has left is masked below too. Such tiles, and every tile when
+// scores are soft-capped (the cap comes before the mask), are finished in a pass over the stored
+// score rows (finish_tile) instead of in registers: the plain causal tiles stay as they were.
 #include <torch/extension.h>
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "task_queue.h"
@@ -131,20 +137,50 @@ void tile_values(const float* p, int64_t ld, const float* const* v, int n, const
   }
 }
 
+// Scores of n key rows (the first at position key_pos) that the fast path left unmasked: soft-capped
+// when softcap > 0, masked after each query column's position (upper) and at or before its
+// position - window (lower, low[c] = pos[c] - window + 1); tmax[c] becomes the column's largest.
+void finish_tile(float* st, int n, int64_t ld, const float* pos, const float* low, float key_pos, bool upper,
+                 bool lower, float softcap, float* tmax) {
+  const auto fill = Vec::set1(kMasked);
+  for (int64_t c = 0; c < ld; ++c) tmax[c] = kMasked;
+  for (int j = 0; j < n; ++j) {
+    float* row = st + j * ld;
+    if (softcap > 0.f) {
+      const float inv = 1.f / softcap;
+#pragma omp simd
+      for (int64_t c = 0; c < ld; ++c) row[c] = softcap * std::tanh(row[c] * inv);
+    }
+    const auto kp = Vec::set1(key_pos + j);
+    for (int64_t c = 0; c < ld; c += Vec::kWidth) {
+      auto a = Vec::load(row + c);
+      if (upper) a = Vec::keep_if_le(a, kp, Vec::load(pos + c), fill);
+      if (lower) a = Vec::keep_if_le(a, Vec::load(low + c), kp, fill);
+      Vec::store(row + c, a);
+      Vec::store(tmax + c, Vec::max(Vec::load(tmax + c), a));
+    }
+  }
+}
+
 struct Task {
   int64_t chunk, kv_head, row0, rows, keys;  // query rows [row0, row0 + rows) of the chunk see `keys` keys at most
 };
 
 struct Scratch {
-  std::vector<float> qt, o, st, max, sum, rescale, pos, tmax;
+  std::vector<float> qt, o, st, max, sum, rescale, pos, low, tmax;
   std::vector<const float*> k, v;
 };
+
+// The first key that the query at position pos sees.
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
 
 // Query column m of a task is (query row m / G, head m % G).
 template <int D>
 void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float* kp, const float* vp,
                   const int64_t* table, int64_t bs, int64_t Hkv, int64_t G, int64_t first_pos, float scale,
-                  float* op, int64_t o_stride, Scratch& w) {
+                  int64_t window, float softcap, float* op, int64_t o_stride, Scratch& w) {
   const int64_t M = t.rows * G, ld = (M + kCols - 1) / kCols * kCols;
   const int64_t row_stride = Hkv * D;  // floats between consecutive tokens of a block
   float* qt = w.qt.data();
@@ -155,13 +191,17 @@ void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float*
   }
   for (int64_t m = 0; m < ld; ++m) {
     w.pos[m] = static_cast<float>(first_pos + t.row0 + std::min(m, M - 1) / G);
+    w.low[m] = w.pos[m] - static_cast<float>(window) + 1.f;
     w.max[m] = kMasked;
     w.sum[m] = 0.f;
   }
   std::fill(w.o.begin(), w.o.begin() + M * D, 0.f);
   const int64_t first_row_pos = first_pos + t.row0, last_pos = first_row_pos + t.rows - 1;
   float* st = w.st.data();
-  for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
+  // A column whose row's window starts past a tile has only masked scores there: exp(0) = 1 each
+  // in its sum and output, until the first key it sees raises its max and the shrink factor
+  // exp(kMasked - max) = 0 clears them (every row sees its own key, in the task's last tile at the latest).
+  for (int64_t k0 = first_key(first_row_pos, window); k0 <= last_pos; k0 += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, last_pos + 1 - k0));
     for (int j = 0; j < n; ++j) {
       const int64_t pos = k0 + j;
@@ -171,8 +211,15 @@ void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float*
     }
     float* tmax = w.tmax.data();
     std::fill(tmax, tmax + ld, kMasked);
-    // Only a tile that crosses the diagonal masks keys after each query.
-    tile_scores<D>(w.k.data(), n, qt, ld, st, w.pos.data(), static_cast<float>(k0), k0 + n - 1 > first_row_pos, tmax);
+    // Only a tile that crosses the diagonal masks keys after each query; only one that reaches
+    // before the last row's window, keys before it.
+    const bool upper = k0 + n - 1 > first_row_pos, lower = window > 0 && k0 <= last_pos - window;
+    if (lower || softcap > 0.f) {
+      tile_scores<D>(w.k.data(), n, qt, ld, st, w.pos.data(), static_cast<float>(k0), false, tmax);
+      finish_tile(st, n, ld, w.pos.data(), w.low.data(), static_cast<float>(k0), upper, lower, softcap, tmax);
+    } else {
+      tile_scores<D>(w.k.data(), n, qt, ld, st, w.pos.data(), static_cast<float>(k0), upper, tmax);
+    }
     // Online softmax down the columns: raise each column's max to this tile's, shrink the old sum
     // and outputs by exp(old max - new max), then exponentiate the tile and add it to the sums.
     float* mx = w.max.data();
@@ -213,7 +260,10 @@ void paged_prefill_attention(torch::Tensor q,             // [T, H, D] float32, 
                              torch::Tensor query_start,   // [num_chunks] int64
                              torch::Tensor query_lens,    // [num_chunks] int64
                              torch::Tensor seq_lens,      // [num_chunks] int64
-                             double scale, torch::Tensor out) {  // [T, H, D] float32, rows may be strided
+                             double scale,
+                             int64_t sliding_window,      // keys each query sees at most; 0: all
+                             double softcap,              // 0: none
+                             torch::Tensor out) {         // [T, H, D] float32, rows may be strided
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
               "paged_prefill_attention: float32 only");
@@ -238,7 +288,7 @@ void paged_prefill_attention(torch::Tensor q,             // [T, H, D] float32, 
     for (int64_t r0 = 0; r0 < qlp[c]; r0 += tile_rows)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t rows = std::min(tile_rows, qlp[c] - r0);
-        tasks.push_back({c, h, r0, rows, first_pos + r0 + rows});
+        tasks.push_back({c, h, r0, rows, first_pos + r0 + rows - first_key(first_pos + r0, sliding_window)});
       }
   }
   // Most keys first (see task_queue.h).
@@ -249,10 +299,14 @@ void paged_prefill_attention(torch::Tensor q,             // [T, H, D] float32, 
   float* op = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
   const int64_t ld = (tile_rows * G + kCols - 1) / kCols * kCols;
+  const auto task_fn = D == 16 ? prefill_task<16> : D == 32 ? prefill_task<32> : D == 64 ? prefill_task<64>
+                       : D == 128 ? prefill_task<128> : prefill_task<256>;
+  const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
   const auto make_scratch = [&] {
     const std::vector<float> column(ld);
-    return Scratch{std::vector<float>(D * ld), std::vector<float>(ld * D), std::vector<float>(kKeys * ld), column, column,
-                   column, column, column, std::vector<const float*>(kKeys), std::vector<const float*>(kKeys)};
+    return Scratch{std::vector<float>(D * ld), std::vector<float>(ld * D), std::vector<float>(kKeys * ld),
+                   column, column, column, column, column, column,
+                   std::vector<const float*>(kKeys), std::vector<const float*>(kKeys)};
   };
   run_tasks_in_order(static_cast<int64_t>(tasks.size()), make_scratch, [&](Scratch& w, int64_t i) {
     const Task& t = tasks[i];
@@ -260,13 +314,6 @@ void paged_prefill_attention(torch::Tensor q,             // [T, H, D] float32, 
     const float* qc = qp + sp[t.chunk] * q_stride;
     float* oc = op + sp[t.chunk] * o_stride;
     const int64_t* table = tp + t.chunk * max_blocks;
-    const float s = static_cast<float>(scale);
-    switch (D) {
-      case 16: prefill_task<16>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-      case 32: prefill_task<32>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-      case 64: prefill_task<64>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-      case 128: prefill_task<128>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w); break;
-      default: prefill_task<256>(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, oc, o_stride, w);
-    }
+    task_fn(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, sliding_window, c, oc, o_stride, w);
   });
 }

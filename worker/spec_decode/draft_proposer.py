@@ -63,7 +63,7 @@ class DraftModelProposer:
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> None:
         """Write the draft's K/V for the tokens of the target's step (no logits needed)."""
         attention, kv_cache, _ = self._pool()
-        self.model(input_ids, positions, attention, kv_cache, attention.prepare(layout))
+        self.model(input_ids, positions, attention, kv_cache, self.model.prepare_attention(attention, layout))
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Fill seq.spec_token_ids with seq.num_lookahead_tokens drafts, and seq.draft_probs for sampled rows.
@@ -89,7 +89,7 @@ class DraftModelProposer:
                                  block_table_tensor=table_tensor, slot_mapping=slots)
             positions = torch.from_numpy(pos).to(self.device)
             hidden = self.model(torch.tensor(tokens, device=self.device), positions, attention, kv_cache,
-                                attention.prepare(layout))
+                                self.model.prepare_attention(attention, layout))
             logits = sampler.process_logits(self.model.compute_logits(hidden), active)
             next_tokens = logits.argmax(dim=-1)
             rows = [i for i, s in enumerate(active) if not s.request.params.greedy]
