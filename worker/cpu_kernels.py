@@ -1,6 +1,6 @@
 """Compiled CPU kernels: paged attention (csrc/paged_*_attention.cpp), the decoder layer's fused
-elementwise steps (csrc/layer_ops.cpp) and the small-batch projection GEMM (csrc/packed_linear.cpp),
-float32.
+elementwise steps (csrc/layer_ops.cpp), the small-batch projection GEMM (csrc/packed_linear.cpp) and
+its counterpart over GGUF-quantized weights (csrc/quant_linear.cpp), float32 arithmetic.
 
 One extension, built with torch's C++ extension loader (about 2 minutes on 2 cores) by
 scripts/setup.sh (`python -m metroserve.worker.cpu_kernels`), else on the first engine start. Builds
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 NAME = "metroserve_cpu_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
-                                         "layer_ops.cpp", "packed_linear.cpp", "bindings.cpp"))
+                                         "layer_ops.cpp", "packed_linear.cpp", "quant_linear.cpp", "bindings.cpp"))
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILDING = "building CPU kernels (about 2 minutes, once per checkout and machine)..."

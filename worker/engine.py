@@ -56,7 +56,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.model = load_model(self.model_dir, self.dtype, self.device, config.quantization)
         self.tokenizer = load_tokenizer(self.model_dir)
         mcfg = self.model.cfg
         self.model_config = mcfg

@@ -20,10 +20,13 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from metroserve.worker.model_files import ModelLoadError
+from metroserve.worker.quantization import QUANTIZED_FILE
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
+# The GGML types whose matrices are kept as raw blocks too (in quantization.QUANTIZED_FILE).
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write a Hugging Face model directory (float32 weights) for a GGUF file of a supported architecture."""
@@ -33,6 +36,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config = _hf_config(header, family, tensors)
     weights = _hf_tensors(header, family, config)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    quantized, types = _quantized_tensors(header, family, config)
+    if quantized:
+        save_file(quantized, str(out_dir / QUANTIZED_FILE), metadata=types)
     _write_json(out_dir / "config.json", config)
     token_ids: dict[str, Any] = {key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config}
     _write_json(out_dir / "generation_config.json", token_ids)
@@ -373,6 +379,32 @@ def _hf_tensors(header: _Header, family: _Family, config: dict[str, Any]) -> dic
     if missing:
         raise ModelLoadError(f"{header.path}: GGUF lacks tensor(s) {', '.join(missing)} that {family.hf_class} needs")
     return converted
+
+
+def _quantized_tensors(header: _Header, family: _Family, config: dict[str, Any],
+                       ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The matrices stored in a GGML quantized type, as their raw blocks: HF name -> uint8 [rows,
+    bytes per row] (rows in the checkpoint's order: Llama's Q/K rotary permutation undone on whole
+    rows), and HF name -> GGML type name. What the engine serves quantized; model.safetensors
+    keeps the float32 values of the same tensors for everything else."""
+    from gguf import GGMLQuantizationType
+
+    parameters = _hf_parameters(header, config)
+    raw: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for tensor in header.reader.tensors:
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        if kind.name not in QUANTIZED_TYPES or len(tensor.shape) != 2 or tensor.name not in parameters:
+            continue
+        hf_name, _ = parameters[tensor.name]
+        blocks = np.asarray(tensor.data, dtype=np.uint8)
+        if family.rope_permuted and tensor.name.endswith(".attn_q.weight"):
+            blocks = _undo_rope_permute(blocks, config["num_attention_heads"])
+        elif family.rope_permuted and tensor.name.endswith(".attn_k.weight"):
+            blocks = _undo_rope_permute(blocks, config["num_key_value_heads"])
+        raw[hf_name] = np.ascontiguousarray(blocks)
+        types[hf_name] = kind.name
+    return raw, types
 
 
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None:

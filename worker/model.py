@@ -23,6 +23,7 @@ from torch import nn
 
 from metroserve.worker.attention import AttentionBackend, BatchLayout
 from metroserve.worker.kv_cache import KVCache
+from metroserve.worker.quantization import QuantizedWeight
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -250,16 +251,21 @@ PANEL_MAX_ROWS = 256
 
 
 class Linear(nn.Linear):
-    """A projection that multiplies through its pre-packed weights when it has them: the compiled
-    kernel's panels for small batches (use_cpu_kernels), oneDNN's packing (pack_cpu_weights)."""
+    """A projection that multiplies through its pre-packed weights when it has them: quantized
+    blocks (worker/quantization.py; the float weight is then gone), the compiled kernel's panels
+    for small batches (use_cpu_kernels), oneDNN's packing (pack_cpu_weights)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
         self.kernels = None
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            out = self.quantized(x)
+            return out if self.bias is None else out.add_(self.bias)
         if self.kernels is not None and x.shape[0] <= PANEL_MAX_ROWS:
             out = self.kernels.packed_linear(x, self.panels, self.out_features)
             return out if self.bias is None else out.add_(self.bias)
@@ -371,6 +377,7 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_quantized: QuantizedWeight | None = None
         self.windows: list[int | None] = sorted({w for _, w in self.layer_inputs}, key=lambda w: w or 0)
         self.inv_freq: dict[str, torch.Tensor] = {}  # per rope key; computed, not loaded (init_rope)
 
@@ -401,29 +408,36 @@ class DecoderForCausalLM(nn.Module):
         return residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(self.norm(hidden), self.lm_head_weight(), self.lm_head_packed).float()
+        if self.lm_head_quantized is not None:
+            logits = self.lm_head_quantized(self.norm(hidden))
+        else:
+            logits = linear(self.norm(hidden), self.lm_head_weight(), self.lm_head_packed).float()
         return softcap(logits, self.cfg.final_softcap) if self.cfg.final_softcap else logits
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_cpu_weights(self) -> None:
-        """On CPU in float32, keep oneDNN pre-packed copies of every projection and the vocabulary head.
+        """On CPU in float32 or bfloat16, keep oneDNN pre-packed copies of every projection and the
+        vocabulary head.
 
         torch's default CPU matmul (MKL sgemm) re-packs the weight on every call, which at decode
         batch sizes (a few to a few dozen rows) costs about as much as the product itself. On a
         2-core Zen 4, 64 rows: qkv 99 -> 145 GFLOPS, down 79 -> 105, gate/up 102 -> 186, the
-        49152-row head 81 -> 182; even 2048-row prefill chunks gain (gate/up 147 -> 213). Costs
-        one more copy of the weights; call again after changing them."""
+        49152-row head 81 -> 182; even 2048-row prefill chunks gain (gate/up 147 -> 213). In
+        bfloat16 oneDNN multiplies with AMX tiles or AVX512-BF16 dot products where the CPU has them
+        (float32 accumulation); its packed layout is what those kernels read. Costs one more copy
+        of the weights; call again after changing them."""
         weight = self.embed_tokens.weight
-        if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
-                or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+                or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
             return
         pack = torch.ops.mkldnn._reorder_linear_weight  # packed in the layout oneDNN picks for 64-row inputs
         for module in self.layers.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.quantized is None:
                 module.packed = pack(module.weight.detach(), 64)
-        self.lm_head_packed = pack(self.lm_head_weight().detach(), 64)
+        if self.lm_head_quantized is None:
+            self.lm_head_packed = pack(self.lm_head_weight().detach(), 64)
 
     def use_cpu_kernels(self, kernels) -> None:
         """Run RMSNorm (with the residual add before it), RoPE and SiLU-and-multiply through the compiled
@@ -438,8 +452,63 @@ class DecoderForCausalLM(nn.Module):
                 module.kernels = kernels
             if isinstance(module, RMSNorm):
                 module.kernel_weight = (module.weight.detach() + module.offset).contiguous()
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.quantized is None:
                 module.panels = kernels.pack_linear_weight(module.weight.detach())
+
+    def resident_bytes(self) -> int:
+        """Bytes of every tensor the model holds (weights, their packed and quantized copies, RoPE
+        tables), each storage counted once: what it keeps resident, the KV pool aside. Walks the
+        modules: call at load, not per step."""
+        storages: dict[int, int] = {}
+        for module in self.modules():
+            for value in (*vars(module).values(), *module._parameters.values(), *module._buffers.values()):
+                tensors = [p.packed for p in value.parts] if isinstance(value, QuantizedWeight) else [value]
+                for t in tensors:
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    if t.is_mkldnn:  # oneDNN's packed copies: an opaque tensor without a storage
+                        storages[id(t)] = t.numel() * t.element_size()
+                    else:
+                        storage = t.untyped_storage()
+                        storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def projection_sources(self) -> dict[str, list[list[str]]]:
+        """Each projection (module name; "lm_head" for the vocabulary head) -> the ways a checkpoint
+        may store its rows: lists of tensor names whose rows it holds in order (its fused shards,
+        or the fused tensor itself, as Phi-3 stores it)."""
+        sources: dict[str, list[list[str]]] = {}
+        for i in range(self.cfg.num_layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            sources[f"layers.{i}.qkv_proj"] = [[f"{attn}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")],
+                                               [f"{attn}.qkv_proj.weight"]]
+            sources[f"layers.{i}.o_proj"] = [[f"{attn}.o_proj.weight"]]
+            sources[f"layers.{i}.gate_up_proj"] = [[f"{mlp}.{p}.weight" for p in ("gate_proj", "up_proj")],
+                                                   [f"{mlp}.gate_up_proj.weight"]]
+            sources[f"layers.{i}.down_proj"] = [[f"{mlp}.down_proj.weight"]]
+        sources["lm_head"] = [["model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"]]
+        return sources
+
+    def projection_weight(self, name: str) -> torch.Tensor:
+        """The float weight of projection `name` (a key of projection_sources)."""
+        if name == "lm_head":
+            return self.lm_head_weight()
+        module = self.get_submodule(name)
+        assert isinstance(module, Linear)
+        return module.weight
+
+    def set_quantized(self, name: str, weight: QuantizedWeight) -> None:
+        """Serve projection `name` (a key of projection_sources) from `weight`; its float weight is
+        released (a tied head's is the embedding table, which lookups still need)."""
+        if name == "lm_head":
+            self.lm_head_quantized = weight
+            if self.lm_head is not None:
+                self.lm_head.weight = None  # type: ignore[assignment]
+            return
+        module = self.get_submodule(name)
+        assert isinstance(module, Linear) and weight.out_features == module.out_features, name
+        module.quantized = weight
+        module.weight = None  # type: ignore[assignment]
 
     # Checkpoint projections that land in a fused parameter: name -> (fused name, shard index).
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

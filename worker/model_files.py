@@ -22,7 +22,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # Bump when gguf_convert's output changes, so caches written by older code are not reused.
-_CONVERTER_VERSION = 2
+_CONVERTER_VERSION = 3
 # The cache key hashes this much of the file's start and end: cheap even for multi-GB files.
 _KEY_CHUNK_BYTES = 1 << 20
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -11,15 +12,26 @@ from tqdm.auto import tqdm
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.model import DecoderForCausalLM, ModelConfig
 from metroserve.worker.model_files import ModelLoadError
+from metroserve.worker.quantization import (
+    KERNEL_TYPES,
+    QUANTIZED_FILE,
+    make_weight,
+    quantize_q8_0,
+    read_gguf_blocks,
+)
+
+logger = logging.getLogger(__name__)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
-    """The decoder for the directory's config with its safetensors weights, showing a progress bar over tensors."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> DecoderForCausalLM:
+    """The decoder for the directory's config with its safetensors weights, showing a progress bar
+    over tensors; projections quantized as `quantization` says (worker/quantization.py)."""
     try:
         cfg = ModelConfig.from_dir(model_dir)
     except (KeyError, ValueError, OSError) as e:
         raise ModelLoadError(f"{model_dir}/config.json: {e}") from e
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != QUANTIZED_FILE)
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weight files")
     with torch.device("meta"):
@@ -48,9 +60,42 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Dec
     missing = model.missing_loads(loaded)
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
+    kernels = load_cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+    _quantize(model, model_dir, quantization, kernels)
     model.pack_cpu_weights()
-    if device.type == "cpu" and dtype == torch.float32:
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            model.use_cpu_kernels(kernels)
+    if kernels is not None:
+        model.use_cpu_kernels(kernels)
+    logger.info("%s: weights resident: %.0f MiB", model_dir.name, model.resident_bytes() / 2**20)
     return model.eval()
+
+
+def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | None, kernels) -> None:
+    """Serve the projections quantized that `quantization` asks for, when the kernels can."""
+    if quantization == "none":
+        return
+    blocks, types = ({}, {}) if quantization == "int8" else read_gguf_blocks(model_dir)
+    if quantization is None and not blocks:
+        return  # an unquantized checkpoint, served as it is
+    if quantization == "gguf" and not blocks:
+        raise ModelLoadError(f"{model_dir}: --quantization gguf needs a GGUF model with quantized matrices")
+    if kernels is None or not hasattr(kernels, "quant_linear"):
+        message = "quantized weights need the compiled CPU kernels and float32 on CPU"
+        if quantization is not None:
+            raise ModelLoadError(f"--quantization {quantization}: {message}")
+        logger.warning("%s: %s; serving the dequantized float weights", model_dir.name, message)
+        return
+    served: dict[str, int] = {}
+    for name, ways in tqdm(model.projection_sources().items(), desc="Quantizing" if quantization == "int8"
+                           else "Packing quantized weights", unit="projection", leave=False):
+        if quantization == "int8":
+            shards = [(quantize_q8_0(model.projection_weight(name)), "Q8_0")]
+        else:
+            found = next((w for w in ways if all(types.get(t) in KERNEL_TYPES for t in w)), None)
+            if found is None:
+                continue  # stored unquantized, or in a type the kernel lacks: served as float
+            shards = [(blocks[t], types[t]) for t in found]
+        for _, kind in shards:
+            served[kind] = served.get(kind, 0) + 1
+        model.set_quantized(name, make_weight(shards, kernels))
+    logger.info("%s: projections served quantized: %s", model_dir.name,
+                ", ".join(f"{n} in {kind}" for kind, n in sorted(served.items())) or "none")

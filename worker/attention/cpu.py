@@ -32,6 +32,7 @@ class CpuMetadata:
     block_tables: torch.Tensor  # [n, max_blocks] int64
     seq_lens: torch.Tensor  # [n] int64
     sliding_window: int = 0  # keys a query sees at most (its own included); 0: all before it
+    decode_only: bool = False  # every row of the flat batch is a query row, in order: no gather or scatter
 
 
 class CpuAttention:
@@ -59,6 +60,7 @@ class CpuAttention:
             block_tables=layout.block_table_tensor[rows.seq_index],
             seq_lens=torch.tensor(rows.seq_lens, dtype=torch.int64),
             sliding_window=window_size(sliding_window),
+            decode_only=not chunks and rows.token_index == list(range(sum(layout.query_lens))),
         )
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -66,9 +68,13 @@ class CpuAttention:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
         k_pool, v_pool = write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = head_dim ** -0.5 if scale is None else scale
         window, cap = metadata.sliding_window, softcap or 0.0
+        if metadata.decode_only:
+            out = self.kernels.paged_decode_attention(q.contiguous(), k_pool, v_pool, metadata.block_tables,
+                                                      metadata.seq_lens, scale, window, cap)
+            return out.view(num_tokens, num_heads * head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if metadata.prefill_start.numel():
             self.kernels.paged_prefill_attention(q, k_pool, v_pool, metadata.prefill_tables, metadata.prefill_start,
                                                  metadata.prefill_query_lens, metadata.prefill_seq_lens, scale, window,

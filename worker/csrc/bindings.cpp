@@ -1,7 +1,7 @@
 // The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention, the layer's fused
-// elementwise steps and the small-batch projection GEMM, one build. With METROSERVE_ATTENTION_ONLY
-// defined, attention alone: the tests build it so for the instruction sets this machine does not
-// select (tests/test_cpu_kernels.py).
+// elementwise steps, the small-batch projection GEMM and the GEMM over GGUF-quantized weights, one
+// build. With METROSERVE_ISA_TEST_BUILD defined, attention and the quantized GEMM alone: the tests
+// build them so for the instruction sets this machine does not select (tests/test_cpu_kernels.py).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -10,7 +10,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor query_start, torch::Tensor query_lens, torch::Tensor seq_lens, double scale,
                              int64_t sliding_window, double softcap, torch::Tensor out);
-#ifndef METROSERVE_ATTENTION_ONLY
+torch::Tensor pack_quant_weight(torch::Tensor raw, int64_t qtype, int64_t K);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N);
+#ifndef METROSERVE_ISA_TEST_BUILD
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -22,7 +24,10 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU, float32)");
-#ifndef METROSERVE_ATTENTION_ONLY
+  m.def("pack_quant_weight", &pack_quant_weight,
+        "[N, K / block * block bytes] GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14) in the strips quant_linear reads");
+  m.def("quant_linear", &quant_linear, "x @ dequant(W)^T through pack_quant_weight's strips (CPU, float32)");
+#ifndef METROSERVE_ISA_TEST_BUILD
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [rows, gate | up] (CPU, float32)");

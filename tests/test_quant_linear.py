@@ -1,0 +1,116 @@
+"""The GEMM over GGUF-quantized weights (worker/csrc/quant_linear.cpp) against x @ dequant(W)^T in float64,
+W dequantized by gguf's numpy reference, for each block format and each instruction-set build (this
+machine's, and tests/test_cpu_kernels.py's AVX2 and portable builds)."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from metroserve.worker.cpu_kernels import load_cpu_kernels
+from metroserve.worker.model_files import ModelLoadError, default_model_path
+from tests.test_cpu_kernels import ISA_MARCH, build_for_instruction_set
+
+Q = GGMLQuantizationType
+# One block; SmolLM2's hidden and intermediate sizes. The super-block formats need multiples of 256.
+SHAPES = [(t, k) for t in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for k in (32, 576, 1536)] + [
+    (t, k) for t in (Q.Q4_K, Q.Q6_K) for k in (256, 1536)]
+PACKED_OVER_RAW = {Q.Q4_K: 148 / 144, Q.Q6_K: 274 / 210}  # the super-blocks' scales as bytes, Q6_K's quants as int8
+N = 203  # output columns: no whole number of strips (16 or 8 wide) nor of 4-strip tiles
+WIDEST_STRIP = 16
+
+
+@pytest.fixture(scope="module", params=["native", *sorted(ISA_MARCH)])
+def kernels(request):
+    if request.param != "native":
+        return build_for_instruction_set(request.param)
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.skip("no C++ toolchain for the CPU kernels")
+    return k
+
+
+@functools.cache
+def quantized(qtype: GGMLQuantizationType, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random [N, k] weights as GGML blocks and as their float64 dequantization."""
+    rng = np.random.default_rng(k + 1000 * qtype)
+    if qtype in PACKED_OVER_RAW:
+        raw = random_super_blocks(qtype, k, rng)
+    else:
+        raw = quantize(rng.standard_normal((N, k)).astype(np.float32), qtype)
+    return raw, dequantize(raw, qtype).astype(np.float64)
+
+
+def random_super_blocks(qtype: GGMLQuantizationType, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[N, k / 256 * block bytes] of random Q4_K / Q6_K super-blocks (gguf quantizes neither): any quant and
+    sub-block scale bytes are valid; the fp16 super-block scales (Q4_K's d and dmin first, Q6_K's d last)
+    are made small and finite."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (N, k // 256, size), dtype=np.uint8)
+    scales = (rng.random((N, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:
+        raw[..., :4] = scales
+    else:
+        raw[..., size - 2 :] = scales[..., :2]
+    return raw.reshape(N, -1)
+
+
+def assert_matches(y: torch.Tensor, x: torch.Tensor, deq: np.ndarray) -> None:
+    """y within float32 rounding of a K-term sum (twice K units of roundoff) of x @ deq^T."""
+    xd = x.double().numpy()
+    error = np.abs(y.double().numpy() - xd @ deq.T)
+    bound = 2 * deq.shape[1] * 2.0**-24 * (np.abs(xd) @ np.abs(deq).T)
+    assert y.shape == (x.shape[0], deq.shape[0]) and (error <= bound).all(), (error / bound).max()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 33, 300])  # decode batches (partial and whole row tiles), prefill
+@pytest.mark.parametrize("qtype, k", SHAPES, ids=[f"{t.name}-{k}" for t, k in SHAPES])
+def test_quant_linear_matches_dequantized_reference(kernels, qtype, k, rows):
+    raw, deq = quantized(qtype, k)
+    packed = kernels.pack_quant_weight(torch.from_numpy(raw), int(qtype), k)
+    size = raw.size * PACKED_OVER_RAW.get(qtype, 1) * (N + WIDEST_STRIP) / N  # the file's bytes, whole strips
+    assert packed.dtype == torch.uint8 and packed.numel() <= size
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert_matches(kernels.quant_linear(x, packed, int(qtype), N), x, deq)
+
+
+def test_quant_linear_strided_rows_and_refusals(kernels):
+    qtype, k = Q.Q4_1, 576
+    raw, deq = quantized(qtype, k)
+    packed = kernels.pack_quant_weight(torch.from_numpy(raw), int(qtype), k)
+    x = torch.randn(5, k + 64)[:, :k]  # rows need not be adjacent
+    assert_matches(kernels.quant_linear(x, packed, int(qtype), N), x, deq)
+    with pytest.raises(RuntimeError, match="not packed"):
+        kernels.quant_linear(x, packed, int(qtype), N + 64)
+    with pytest.raises(RuntimeError, match="not packed"):
+        kernels.quant_linear(x, packed, int(Q.Q8_0), N)
+    with pytest.raises(RuntimeError, match="GGML type 13 is not supported"):
+        kernels.pack_quant_weight(torch.from_numpy(raw), int(Q.Q5_K), k)
+    with pytest.raises(RuntimeError, match="raw must be"):
+        kernels.pack_quant_weight(torch.from_numpy(raw), int(qtype), k + 32)
+    with pytest.raises(RuntimeError, match="a multiple of 256"):  # 576 inputs are no whole number of super-blocks
+        kernels.pack_quant_weight(torch.from_numpy(raw), int(Q.Q4_K), k)
+
+
+@pytest.fixture(scope="module")
+def default_gguf() -> GGUFReader:
+    try:
+        return GGUFReader(default_model_path())
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+# The default model's MLP down projection (Q4_1, 1536 inputs) and rows of its tied embedding / LM head (Q8_0).
+@pytest.mark.parametrize("name, rows", [("blk.0.ffn_down.weight", None), ("token_embd.weight", 999)])
+def test_quant_linear_on_default_model_tensor(kernels, default_gguf, name, rows):
+    tensor = next(t for t in default_gguf.tensors if t.name == name)
+    k = int(tensor.shape[0])  # GGUF lists the input dimension first
+    raw = np.array(tensor.data[:rows])  # a copy: the reader maps the file read-only
+    deq = dequantize(raw, tensor.tensor_type).astype(np.float64)
+    packed = kernels.pack_quant_weight(torch.from_numpy(raw), int(tensor.tensor_type), k)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(0))
+    assert_matches(kernels.quant_linear(x, packed, int(tensor.tensor_type), raw.shape[0]), x, deq)

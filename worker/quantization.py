@@ -1,0 +1,124 @@
+"""Projections served from quantized weights: a GGUF's own GGML blocks, or int8 made at load.
+
+A quantized projection multiplies through the compiled CPU kernel `quant_linear`
+(csrc/quant_linear.cpp), which dequantizes each GGML block in registers inside the matmul, so a
+decode step reads the quantized bytes (Q4_1: 0.625 bytes per weight) instead of float32 (4 bytes).
+The float32 copy of such a weight is dropped after loading.
+
+Which weights are quantized (`--quantization`, vLLM's flag):
+- None (default): a checkpoint's own quantization. A GGUF's matrices in Q4_0, Q4_1, Q8_0, Q4_K or
+  Q6_K are served in those types; a Hugging Face directory is served as it is (unquantized).
+- "gguf": the same, but an error when the checkpoint has no quantized matrices.
+- "int8": every projection and the LM head quantized at load to GGML's Q8_0 (blocks of 32 int8
+  values with one scale), from whatever the checkpoint holds.
+- "none": everything dequantized to --dtype (the engine before quantized serving; the reference
+  for what quantization changes).
+Quantized serving needs the CPU kernels and float32 activations on CPU; elsewhere (CUDA, bfloat16,
+no compiler) the weights are dequantized and a warning says so.
+
+A fused projection (Q/K/V, gate/up) whose parts have different types (a Q4_K_M file keeps V in
+Q6_K) stays one Linear with one part per type, each multiplied into its slice of the output.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# A converted GGUF's quantized matrices as raw GGML blocks, beside model.safetensors (which holds
+# them dequantized too, for transformers and for --quantization none); the file's metadata maps
+# each tensor name to its GGML type name.
+QUANTIZED_FILE = "quantized.safetensors"
+# GGML type ids the kernel serves (gguf.GGMLQuantizationType), by name.
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+@dataclass
+class QuantPart:
+    packed: torch.Tensor  # the kernel's layout of the part's rows (pack_quant_weight)
+    qtype: int  # GGML type id
+    rows: int  # output features of this part
+    nbytes: int  # of the raw GGML blocks: what a step reads
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out_features, in_features] weight as consecutive row ranges of quantized parts."""
+
+    parts: list[QuantPart]
+    kernels: object
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] float32 -> [M, out_features] float32."""
+        x = x.contiguous()
+        if len(self.parts) == 1:
+            part = self.parts[0]
+            return self.kernels.quant_linear(x, part.packed, part.qtype, part.rows)  # type: ignore[attr-defined]
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        row = 0
+        for part in self.parts:
+            out[:, row : row + part.rows] = self.kernels.quant_linear(  # type: ignore[attr-defined]
+                x, part.packed, part.qtype, part.rows)
+            row += part.rows
+        return out
+
+
+def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
+    """GGML Q8_0 blocks of a float weight [rows, cols] (cols a multiple of 32): uint8 [rows, cols / 32 * 34]."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
+
+
+def make_weight(shards: list[tuple[np.ndarray, str]], kernels: object) -> QuantizedWeight:
+    """A QuantizedWeight from row shards in order: (raw GGML blocks [rows, bytes per row], type
+    name). Adjacent shards of one type are packed as one part."""
+    merged: list[tuple[list[np.ndarray], str]] = []
+    for blocks, kind in shards:
+        if merged and merged[-1][1] == kind:
+            merged[-1][0].append(blocks)
+        else:
+            merged.append(([blocks], kind))
+    parts = []
+    for pieces, kind in merged:
+        raw = np.ascontiguousarray(np.concatenate(pieces, axis=0))
+        block_inputs, block_bytes = _block_shape(kind)
+        cols = raw.shape[1] // block_bytes * block_inputs
+        packed = kernels.pack_quant_weight(torch.from_numpy(raw), KERNEL_TYPES[kind], cols)  # type: ignore[attr-defined]
+        parts.append(QuantPart(packed, KERNEL_TYPES[kind], raw.shape[0], raw.nbytes))
+    return QuantizedWeight(parts, kernels)
+
+
+def _block_shape(kind: str) -> tuple[int, int]:
+    """(inputs, bytes) of one GGML block of the type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+
+
+def read_gguf_blocks(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A converted GGUF's quantized matrices (QUANTIZED_FILE): HF name -> raw blocks,
+    HF name -> GGML type name; empty for a directory without them."""
+    from safetensors import safe_open
+
+    path = model_dir / QUANTIZED_FILE
+    if not path.is_file():
+        return {}, {}
+    with safe_open(str(path), framework="np") as handle:
+        types = dict(handle.metadata() or {})
+        return {name: handle.get_tensor(name) for name in handle.keys()}, types  # noqa: SIM118
