@@ -38,14 +38,14 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 
-# Run by the llama.cpp venv's python: argv = model path, threads, max tokens, repeats, prompt ids (JSON).
+# Run by the llama.cpp venv's python: argv = model path, threads, max tokens, repeats, prompt ids (JSON), n_batch.
 _LLAMA_CPP = r"""
 import json, sys, time
 from llama_cpp import Llama
 path, prompt = sys.argv[1], json.loads(sys.argv[5])
-threads, max_tokens, repeats = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+threads, max_tokens, repeats, n_batch = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[6])
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + max_tokens + 8,
-            n_batch=512, verbose=False, logits_all=False)
+            n_batch=n_batch, n_ubatch=n_batch, verbose=False, logits_all=False)
 runs = []
 for _ in range(repeats + 1):  # the first is a warm-up
     llm.reset()
@@ -103,9 +103,9 @@ def _run_engine(model: str | None, quantization: str | None, prompt: list[int], 
 
 
 def _run_llama_cpp(python: str, model_path: Path, threads: int, prompt: list[int], max_tokens: int,
-                   repeats: int) -> dict[str, Any]:
+                   repeats: int, n_batch: int) -> dict[str, Any]:
     out = subprocess.run([python, "-c", _LLAMA_CPP, str(model_path), str(threads), str(max_tokens), str(repeats),
-                          json.dumps(prompt)], check=True, capture_output=True, text=True)
+                          json.dumps(prompt), str(n_batch)], check=True, capture_output=True, text=True)
     return {"runs": json.loads(out.stdout.strip().splitlines()[-1])}
 
 
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per peer, after one warm-up (default: 3)")
     parser.add_argument("--llama-cpp-python", default=None,
                         help="python of a venv with llama-cpp-python installed (omit: llama.cpp is not run)")
+    parser.add_argument("--llama-cpp-n-batch", type=int, default=512,
+                        help="llama.cpp's n_batch (and n_ubatch) for the prompt; 1 feeds it token by token, as its "
+                             "decode steps run (a build whose batched kernels die with SIGILL on the CPU needs it)")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -148,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     peers["engine-fp32"] = _summary(_run_engine(args.model, "none", prompt, args.max_tokens, args.repeats))
     if args.llama_cpp_python:
         peers["llama.cpp"] = _summary(_run_llama_cpp(args.llama_cpp_python, model_path, threads, prompt,
-                                                     args.max_tokens, args.repeats))
+                                                     args.max_tokens, args.repeats, args.llama_cpp_n_batch))
     report = {"model": str(model_path), "threads": threads, "prompt_tokens": len(prompt),
+              "llama_cpp_n_batch": args.llama_cpp_n_batch,
               "max_tokens": args.max_tokens, "peers": peers}
     reference = peers.get("llama.cpp")
     print(f"{model_path.name}: {len(prompt)} prompt tokens, {args.max_tokens} generated, {threads} threads")

@@ -13,7 +13,8 @@ would have on its own: the engine sets glibc's malloc thresholds for its process
 inherited them (8% faster static ``generate`` on a 2-core Zen 4: 198 s instead of 214 s).
 
 The vllm peer runs ``LLM.generate`` in the python given by --vllm-python, on the same token-id
-prompts, with VLLM_CPU_OMP_THREADS_BIND=0-<threads - 1> and VLLM_CPU_KVCACHE_SPACE=4 (GiB), over
+prompts, with VLLM_CPU_OMP_THREADS_BIND=0-<threads - 1>, VLLM_CPU_KVCACHE_SPACE=4 (GiB) and the
+LD_PRELOAD of tcmalloc and Intel OpenMP that vLLM's CPU guide recommends (where present), over
 a copy of the model directory without the engine's own extra files (vLLM would load every
 ``*.safetensors`` it finds); its time is generate's wall time, warm-up excluded, as for the others.
 
@@ -258,21 +259,25 @@ def run_hf_cb(model_dir: Path, prompts: list[list[int]], warmup: list[int], max_
     return PeerResult("hf-cb", outputs, clock.seconds, extra)
 
 
-# Run by the vLLM venv's python: argv = model dir, dtype, max tokens, JSON file of {"prompts", "warmup"};
-# prints {"outputs", "seconds", "version"} as its last line.
+# Run by the vLLM venv's python as a script: argv = model dir, dtype, max tokens, JSON file of {"prompts", "warmup"};
+# prints {"outputs", "seconds", "version"} as one line.
 _VLLM = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams, __version__
 from vllm.inputs import TokensPrompt
-model_dir, dtype, max_tokens, job = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.load(open(sys.argv[4]))
-llm = LLM(model_dir, dtype=dtype, max_model_len=4096, seed=0)
-params = SamplingParams(temperature=0, max_tokens=max_tokens)
-warmup = [TokensPrompt(prompt_token_ids=job["warmup"])]
-llm.generate(warmup, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-start = time.perf_counter()
-outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-seconds = time.perf_counter() - start
-print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds, "version": __version__}))
+def main():  # vLLM spawns its engine process: the work must not run on that child's import
+    model_dir, dtype, max_tokens, job = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.load(open(sys.argv[4]))
+    llm = LLM(model_dir, dtype=dtype, max_model_len=4096, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    warmup = [TokensPrompt(prompt_token_ids=job["warmup"])]
+    llm.generate(warmup, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds,
+                      "version": __version__}))
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -282,6 +287,9 @@ def run_vllm(python: str, model_dir: Path, prompts: list[list[int]], warmup: lis
     dtype_name = next(name for name, d in _DTYPES.items() if d == dtype)
     threads = torch.get_num_threads()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    preload = vllm_preload(python)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     with tempfile.TemporaryDirectory() as tmp:
         model_copy = Path(tmp) / model_dir.name
         model_copy.mkdir()
@@ -290,13 +298,24 @@ def run_vllm(python: str, model_dir: Path, prompts: list[list[int]], warmup: lis
                 (model_copy / item.name).symlink_to(item)
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"prompts": prompts, "warmup": warmup}))
-        out = subprocess.run([python, "-c", _VLLM, str(model_copy), dtype_name, str(max_tokens), str(job)],
+        script = Path(tmp) / "run_vllm.py"  # a file, not -c: vLLM's spawned engine process re-imports it
+        script.write_text(_VLLM)
+        out = subprocess.run([python, str(script), str(model_copy), dtype_name, str(max_tokens), str(job)],
                              env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"vllm exited with {out.returncode}: {out.stderr[-2000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too, some of it after the result line.
+    result = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith('{"outputs"')))
     outputs = [trim_output(o, set(eos_ids), max_tokens) for o in result["outputs"]]
-    return PeerResult("vllm", outputs, result["seconds"], {"version": result["version"]})
+    return PeerResult("vllm", outputs, result["seconds"], {"version": result["version"], "ld_preload": preload})
+
+
+def vllm_preload(python: str) -> list[str]:
+    """The libraries vLLM's CPU guide preloads for speed, where present: tcmalloc (Debian's
+    libtcmalloc-minimal4) and Intel's OpenMP runtime from the vLLM venv (the intel-openmp wheel)."""
+    candidates = (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+                  Path(python).parents[1] / "lib" / "libiomp5.so")  # <venv>/bin/python -> <venv>/lib
+    return [str(path) for path in candidates if path.is_file()]
 
 
 def _run_peer(peer: str, args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], warmup: list[int],

@@ -39,16 +39,21 @@ class HFReference:
         logits = self.model(torch.tensor([tokens])).logits[0, -1].float()
         return torch.log_softmax(logits, dim=-1)
 
+    def near_tie(self, tokens: list[int], a: int, b: int) -> tuple[float, float]:
+        """The reference's logprob gap between tokens a and b after `tokens`, and the gap under which
+        that is a floating-point tie at the reference's precision."""
+        lp = self.logprobs(tokens)
+        return abs(lp[a].item() - lp[b].item()), NEAR_TIE
+
     def assert_matches(self, prompt: list[int], ours: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> None:
         """Our greedy ids equal the reference's, except past a divergence the reference shows to be a near-tie."""
         ref = self.greedy(prompt, max_new_tokens, stop_at_eos)
         for i, (a, b) in enumerate(zip(ours, ref)):
             if a != b:
-                lp = self.logprobs(prompt + ref[:i])
-                gap = abs(lp[a].item() - lp[b].item())
-                assert gap < NEAR_TIE, (
+                gap, tie = self.near_tie(prompt + ref[:i], a, b)
+                assert gap < tie, (
                     f"greedy divergence at output token {i}: ours {a} vs reference {b}, logprob gap {gap:.2e} "
-                    f"is not a near-tie\nours {ours}\nref  {ref}")
+                    f"is not a near-tie (< {tie:.1e})\nours {ours}\nref  {ref}")
                 return
         assert len(ours) == len(ref), (f"length differs: ours {len(ours)} vs reference {len(ref)}\n"
                                        f"ours {ours}\nref  {ref}")

@@ -153,7 +153,7 @@ def test_smollm2_preemption(smollm2_dir, smollm2_ref, smol_prompts):
 def test_cpu_model_uses_packed_weights_with_plain_matmul_results(tiny_model_dir):
     """float32 on CPU: every projection and the vocabulary head run through pre-packed weights (the
     compiled panel GEMM up to PANEL_MAX_ROWS rows where the CPU kernels build, oneDNN's packing above
-    and for the head) and agree with plain matmuls; other dtypes keep plain matmuls."""
+    and for the head) and agree with plain matmuls."""
     import torch
     import torch.nn.functional as F
 
@@ -172,4 +172,8 @@ def test_cpu_model_uses_packed_weights_with_plain_matmul_results(tiny_model_dir)
         for proj in projections[:4]:
             x = torch.randn(rows, proj.in_features, generator=gen)
             torch.testing.assert_close(proj(x), F.linear(x, proj.weight), atol=1e-4, rtol=1e-4)
-    assert load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu")).lm_head_packed is None
+    # A bfloat16 model (a draft's: tests/test_cpu_bfloat16.py covers the engine's --dtype bfloat16) packs
+    # for oneDNN's bfloat16 kernels; float16 keeps plain matmuls.
+    packed = load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu")).lm_head_packed
+    assert packed is not None and packed.dtype == torch.bfloat16
+    assert load_model(tiny_model_dir, torch.float16, torch.device("cpu")).lm_head_packed is None

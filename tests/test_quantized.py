@@ -30,6 +30,12 @@ def quantized(smollm2_dir):
 @torch.inference_mode()
 def teacher_forced_top1(model: DecoderForCausalLM, ids: list[int]) -> torch.Tensor:
     """The model's argmax after each prefix of ids (one prefill of the whole sequence)."""
+    return teacher_forced_logits(model, ids).argmax(-1)
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: DecoderForCausalLM, ids: list[int]) -> torch.Tensor:
+    """The model's logits [len(ids), vocab] after each prefix of ids (one prefill of the whole sequence)."""
     n = len(ids)
     attention = TorchAttention(16)
     cfg = model.cfg
@@ -40,7 +46,7 @@ def teacher_forced_top1(model: DecoderForCausalLM, ids: list[int]) -> torch.Tens
     layout = BatchLayout([0], [n], [n], [blocks], table, slots)
     hidden = model(torch.tensor(ids), torch.from_numpy(positions), attention, cache,
                    model.prepare_attention(attention, layout))
-    return model.compute_logits(hidden).argmax(-1)
+    return model.compute_logits(hidden)
 
 
 def hf_top1(ref, ids: list[int]) -> torch.Tensor:

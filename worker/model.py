@@ -238,7 +238,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), through the weight's pre-packed oneDNN copy when it has one (pack_cpu_weights)."""
+    """x @ weight.T (+ bias), through the weight's pre-packed oneDNN copy when it has one (pack_cpu_weights).
+    A bfloat16 weight under float32 activations (matmul_dtype) multiplies x rounded to bfloat16 and
+    returns float32."""
+    kept = weight if packed is None else packed
+    if kept.dtype != x.dtype:
+        out = linear(x.to(kept.dtype), weight, packed).float()
+        return out if bias is None else out.add_(bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -417,9 +423,10 @@ class DecoderForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_cpu_weights(self) -> None:
+    def pack_cpu_weights(self, matmul_dtype: torch.dtype | None = None) -> None:
         """On CPU in float32 or bfloat16, keep oneDNN pre-packed copies of every projection and the
-        vocabulary head.
+        vocabulary head; with matmul_dtype bfloat16 under float32 weights, bfloat16 copies instead,
+        and the float32 weights are released (the embedding table stays: lookups need it).
 
         torch's default CPU matmul (MKL sgemm) re-packs the weight on every call, which at decode
         batch sizes (a few to a few dozen rows) costs about as much as the product itself. On a
@@ -427,17 +434,30 @@ class DecoderForCausalLM(nn.Module):
         49152-row head 81 -> 182; even 2048-row prefill chunks gain (gate/up 147 -> 213). In
         bfloat16 oneDNN multiplies with AMX tiles or AVX512-BF16 dot products where the CPU has them
         (float32 accumulation); its packed layout is what those kernels read. Costs one more copy
-        of the weights; call again after changing them."""
+        of the weights (none with matmul_dtype); call again after changing them."""
         weight = self.embed_tokens.weight
-        if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
-                or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        cast = matmul_dtype or weight.dtype
+        if (weight.device.type != "cpu" or cast not in (torch.float32, torch.bfloat16)
+                or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                or (cast == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+            if cast != weight.dtype:  # no oneDNN bfloat16 here (AVX2 CPUs): plain bfloat16 matmuls, slower
+                for module in (*self.layers.modules(), self.lm_head):
+                    if isinstance(module, nn.Linear) and getattr(module, "quantized", None) is None:
+                        module.weight = nn.Parameter(module.weight.detach().to(cast), requires_grad=False)
             return
-        pack = torch.ops.mkldnn._reorder_linear_weight  # packed in the layout oneDNN picks for 64-row inputs
+
+        def pack(w: torch.Tensor) -> torch.Tensor:  # in the layout oneDNN picks for 64-row inputs
+            return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(cast), 64)
+
         for module in self.layers.modules():
             if isinstance(module, Linear) and module.quantized is None:
-                module.packed = pack(module.weight.detach(), 64)
+                module.packed = pack(module.weight)
+                if cast != weight.dtype:
+                    module.weight = None  # type: ignore[assignment]
         if self.lm_head_quantized is None:
-            self.lm_head_packed = pack(self.lm_head_weight().detach(), 64)
+            self.lm_head_packed = pack(self.lm_head_weight())
+            if cast != weight.dtype and self.lm_head is not None:
+                self.lm_head.weight = None  # type: ignore[assignment]
 
     def use_cpu_kernels(self, kernels) -> None:
         """Run RMSNorm (with the residual add before it), RoPE and SiLU-and-multiply through the compiled
@@ -448,11 +468,14 @@ class DecoderForCausalLM(nn.Module):
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError(f"the CPU kernels run float32 on CPU, not {weight.dtype} on {weight.device}")
         for module in self.modules():
-            if isinstance(module, (RMSNorm, DecoderLayer, Linear)):
+            if isinstance(module, (RMSNorm, DecoderLayer)):
                 module.kernels = kernels
             if isinstance(module, RMSNorm):
                 module.kernel_weight = (module.weight.detach() + module.offset).contiguous()
-            if isinstance(module, Linear) and module.quantized is None:
+            # Only float32 weights get panels: a quantized or bfloat16-packed projection keeps its own path.
+            if (isinstance(module, Linear) and module.quantized is None and module.weight is not None
+                    and module.weight.dtype == torch.float32):
+                module.kernels = kernels
                 module.panels = kernels.pack_linear_weight(module.weight.detach())
 
     def resident_bytes(self) -> int:

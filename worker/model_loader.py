@@ -23,10 +23,11 @@ from metroserve.worker.quantization import (
 logger = logging.getLogger(__name__)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> DecoderForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+               matmul_dtype: torch.dtype | None = None) -> DecoderForCausalLM:
     """The decoder for the directory's config with its safetensors weights, showing a progress bar
-    over tensors; projections quantized as `quantization` says (worker/quantization.py)."""
+    over tensors; projections quantized as `quantization` says (worker/quantization.py), or with
+    matmul_dtype bfloat16 (CPU, float32 dtype) kept and multiplied in bfloat16 (pack_cpu_weights)."""
     try:
         cfg = ModelConfig.from_dir(model_dir)
     except (KeyError, ValueError, OSError) as e:
@@ -61,8 +62,15 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
     kernels = load_cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
-    _quantize(model, model_dir, quantization, kernels)
-    model.pack_cpu_weights()
+    if matmul_dtype is None:
+        _quantize(model, model_dir, quantization, kernels)
+    elif quantization not in (None, "none"):
+        raise ModelLoadError(f"--quantization {quantization}: quantized weights need float32 on CPU "
+                             "(their kernel multiplies in float32), not --dtype bfloat16")
+    elif (model_dir / QUANTIZED_FILE).is_file():
+        logger.info("%s: --dtype bfloat16: the GGUF's quantized matrices are served dequantized, in bfloat16",
+                    model_dir.name)
+    model.pack_cpu_weights(matmul_dtype)
     if kernels is not None:
         model.use_cpu_kernels(kernels)
     logger.info("%s: weights resident: %.0f MiB", model_dir.name, model.resident_bytes() / 2**20)
