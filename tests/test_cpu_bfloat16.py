@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from metroserve import LLM, SamplingParams
 from metroserve.worker.attention.cpu import CpuAttention
-from metroserve.worker.cpu_kernels import load_cpu_kernels
+from metroserve.worker.cpu_kernels import cpu_flags, load_cpu_kernels
 from metroserve.worker.model import Linear
 from tests.conftest import assert_all_blocks_free
 from tests.reference import HFReference
@@ -126,20 +126,14 @@ print(json.dumps({"packed": bf16.lm_head_packed is not None,
 """
 
 
-def _cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "flags:")
-    return set(line.split(":", 1)[1].split())
-
-
 @pytest.mark.parametrize("isa", sorted(ONEDNN_ISAS))
 def test_bfloat16_matmuls_on_each_instruction_set(tiny_model_dir, isa):
     """--dtype bfloat16's model under each oneDNN ISA ceiling this CPU reaches: oneDNN's verbose log
     shows its bfloat16 projections ran in that ISA's kernel (below AVX-512: none, plain bfloat16
     matmuls instead), and the logits stay those of float32 matmuls up to bfloat16 rounding."""
     needs, kernel = ONEDNN_ISAS[isa]
-    if not torch.backends.mkldnn.is_available() or not needs <= _cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())} for oneDNN's {isa} path")
+    if not torch.backends.mkldnn.is_available() or not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())} for oneDNN's {isa} path")
     out = subprocess.run([sys.executable, "-c", _PROBE, str(tiny_model_dir)], capture_output=True, text=True,
                          timeout=300, check=True, cwd=Path(__file__).resolve().parents[1],
                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "ONEDNN_VERBOSE": "1"})

@@ -106,8 +106,12 @@ def kernel_build(sources: tuple[Path, ...] = SOURCES, cflags: tuple[str, ...] = 
 def has_native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16 dot products), as
     oneDNN's bfloat16 kernels need to beat float32; elsewhere they convert and run slower."""
-    flags = set(_cpu_flags().split())
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo's names: avx2, avx512_bf16, amx_bf16, ...); empty off Linux."""
+    return set(_cpu_flags().split())
 
 
 def _cpu_flags() -> str:

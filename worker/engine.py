@@ -81,7 +81,7 @@ class LLMEngine:
         spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.drafter = None
         if spec_config is not None and spec_config.method == "draft_model":
-            draft_dtype = _DTYPES[spec_config.draft_dtype] if spec_config.draft_dtype else self.dtype
+            draft_dtype = _DTYPES[spec_config.draft_dtype or dtype_name]  # the dtype asked, not the activations
             # The compiled CPU kernels are float32 only: a draft in another dtype picks its own backend.
             draft_backend = config.attention_backend if config.attention_backend in ("torch", "triton") else "auto"
             assert spec_config.model is not None, "SpeculativeConfig requires a model for draft_model"
