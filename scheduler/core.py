@@ -403,7 +403,8 @@ class SchedulerCore:
             if placement is not None:
                 link.release(placement, abort=False)
                 placement.request.placements.pop(placement.placement_id, None)
-                self._fail(placement.request, RequestError(ErrorCode.INVALID_ARGUMENT, rejection.message))
+                self._fail(placement.request, RequestError(ErrorCode.INVALID_ARGUMENT, rejection.message,
+                                                           param=rejection.param or None))
         for placement_id in msg.handed_back:
             placement = link.placements.get(placement_id)
             if placement is not None:

@@ -66,14 +66,15 @@ def _scheduler(args: argparse.Namespace) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> None:
+    from metroserve.services.cors import policy_from_args
     from metroserve.services.gateway import GatewayOptions, run_gateway
     from metroserve.services.tracing import configure_tracing
 
     configure_tracing("metroserve-gateway", args.otlp_endpoint)
     options = GatewayOptions(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
-                             max_body_bytes=args.max_body_bytes, scheduler_wait_s=args.scheduler_wait,
-                             credentials=_cluster_credentials(args))
+                             max_body_bytes=args.max_body_bytes, cors=policy_from_args(args),
+                             scheduler_wait_s=args.scheduler_wait, credentials=_cluster_credentials(args))
     _run_async(lambda stop: run_gateway(options, stop), "gateway")
 
 
@@ -147,6 +148,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from metroserve.rpc.auth import credentials_from_args
+    from metroserve.services.cors import policy_from_args
     from metroserve.services.serve import ServeOptions, Stack
     from metroserve.worker.config import EngineConfig
     from metroserve.worker.model_files import resolve_model_dir, served_model_name
@@ -157,8 +159,9 @@ def _serve(args: argparse.Namespace) -> None:
     config.model = str(resolve_model_dir(config.model))  # convert a GGUF once, before the workers start
     stack = Stack(ServeOptions(engine=config, served_model_name=name, workers=args.workers, host=args.host,
                                port=args.port, grpc_port=args.grpc_port, scheduler_port=args.scheduler_port,
-                               kvstore=args.kvstore, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                               metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint,
+                               kvstore=args.kvstore, api_key=args.api_key, cors=policy_from_args(args),
+                               max_queue_len=args.max_queue_len, metrics_port=args.metrics_port,
+                               otlp_endpoint=args.otlp_endpoint,
                                log_requests=not args.disable_log_requests,
                                credentials=credentials_from_args(args, generate=True)))
 
@@ -182,6 +185,8 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, scheduler: bool = False) -> None:
+    from metroserve.services.cors import add_cors_args
+
     if gateway:
         p.add_argument("--host", default="127.0.0.1", help="address the REST and gRPC APIs listen on")
         p.add_argument("--port", type=int, default=8000, help="REST (OpenAI-compatible) port")
@@ -189,6 +194,7 @@ def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, sche
         p.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on REST and gRPC (default: $METROSERVE_API_KEY)")
         p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+        add_cors_args(p)
     if scheduler:
         p.add_argument("--kvstore", default="memory",
                        help="prefix index and request state: 'memory' (embedded) or redis://host:port/db")

@@ -61,6 +61,7 @@ class OwnedRequest:
     finish_reasons: list[str] = field(default_factory=list)  # per sequence: "" while running
     retired: set[str] = field(default_factory=set)  # placements moved away: late output dropped
     num_cached_tokens: int | None = None  # from the first output
+    got_prompt_logprobs: bool = False  # a migrated placement's worker computes them again: keep the first
     ended: bool = False  # finished, or aborted from here: nothing more to tell the scheduler
 
     @property
@@ -286,6 +287,9 @@ class ClusterClient:
             msg = generation_pb2.GenerateResponse(request_id=out.request_id)
             if owned.num_cached_tokens is None:
                 owned.num_cached_tokens = msg.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs and not owned.got_prompt_logprobs:
+                owned.got_prompt_logprobs = True
+                msg.prompt_logprobs.extend(out.prompt_logprobs)
             for delta, count in zip(out.seqs, out.num_tokens, strict=True):
                 index = out.base_index + delta.index
                 if owned.finish_reasons[index]:

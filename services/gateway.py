@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from metroserve.common.tokenizer import load_tokenizer
 from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2_grpc
 from metroserve.rpc.auth import ClusterCredentials
 from metroserve.services.cluster_client import ClusterClient
+from metroserve.services.cors import CorsPolicy
 from metroserve.services.gateway_metrics import GatewayMetrics
 from metroserve.services.grpc_api import ApiKeyInterceptor, GatewayGeneration
 from metroserve.services.rest import RestAPI
@@ -28,6 +30,8 @@ from metroserve.worker.model_files import resolve_model_dir, served_model_name
 logger = logging.getLogger(__name__)
 
 READINESS_POLL_S = 2.0
+# What gRPC server reflection lists on the public port (grpcurl list / describe).
+REFLECTED_SERVICES = (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
 
 
 @dataclass
@@ -40,6 +44,7 @@ class GatewayOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # default: off, no CORS headers
     scheduler_wait_s: float = 30.0  # a request waits this long for a scheduler that does not answer
     credentials: ClusterCredentials = field(default_factory=ClusterCredentials.from_env)
 
@@ -69,7 +74,8 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     client.start()
 
     metrics = GatewayMetrics()
-    rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes, metrics)
+    rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes, metrics,
+                   options.cors)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts upstream.
     runner = web.AppRunner(rest.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -84,6 +90,7 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
                                                              server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(REFLECTED_SERVICES, server)
         if server.add_insecure_port(f"{options.host}:{options.grpc_port}") == 0:
             raise SystemExit(f"gateway: cannot listen on {options.host}:{options.grpc_port}")
         await server.start()

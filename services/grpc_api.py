@@ -2,6 +2,7 @@
 
 Same path as REST: tokenize here, submit token ids to the cluster, detokenize the workers' tokens
 and apply stop strings (services/text_stream.py). A cancelled call aborts the request upstream.
+An unknown model is NOT_FOUND, as REST's 404.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from metroserve.services.text_stream import stream_text
 from metroserve.services.tracing import tracer
 
 GENERATE_ROUTE = "grpc:/metroserve.v1.Generation/Generate"
+# Open without the API key: health, for probes; reflection, so grpcurl can list and describe the
+# services without one. Reflection tells only the schema, which proto/ publishes anyway; every
+# Generation call still needs the key.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without `authorization: Bearer <key>` metadata; health checks stay open."""
+    """Refuses calls without `authorization: Bearer <key>` metadata; health and reflection stay open."""
 
     def __init__(self, api_key: str):
         self._expected = f"Bearer {api_key}"
@@ -37,7 +42,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details):
-        if details.method.startswith("/grpc.health.v1."):
+        if details.method.startswith(OPEN_METHOD_PREFIXES):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         if metadata.get("authorization") == self._expected:
@@ -75,7 +80,7 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request, context):
         if request.model and request.model != self.model_name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model {request.model!r} does not exist; this server serves {self.model_name!r}")
         kind = request.WhichOneof("prompt")
         if kind is None:
@@ -94,7 +99,7 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
                 if not (first or update.deltas or update.usage):
                     continue
                 first = False
-                msg = generation_pb2.GenerateResponse(request_id=request_id)
+                msg = generation_pb2.GenerateResponse(request_id=request_id, prompt_logprobs=update.prompt_logprobs)
                 for d in update.deltas:
                     delta = msg.outputs.add(index=d.index, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs,
                                             finish_reason=d.finish_reason or "")

@@ -1,10 +1,18 @@
 """The gateway's OpenAI-compatible REST API (aiohttp).
 
 Routes: /v1/chat/completions, /v1/completions (SSE streaming ending in [DONE], usage chunk with
-stream_options.include_usage), /v1/models, /health, /tokenize, /detokenize. The server cancels a
-handler when its client disconnects; the cancellation ends the request's stream, which aborts
-the request on its worker and frees its blocks. A streaming response is only started once the
-scheduler has admitted every prompt, so refusals still get a proper status (400/429/503).
+stream_options.include_usage), /v1/models, /v1/models/{id}, /health, /version, /tokenize,
+/detokenize, /tokenizer_info. The server cancels a handler when its client disconnects; the
+cancellation ends the request's stream, which aborts the request on its worker and frees its
+blocks. A streaming response is only started once the scheduler has admitted every prompt, so
+refusals still get a proper status (400/404/429/503).
+
+Every response, streams and errors included, carries X-Request-Id: the client's own, echoed, else
+a fresh uuid4 hex. The completion's body id stays `cmpl-<uuid4 hex>` / `chatcmpl-<uuid4 hex>`
+either way (vLLM would build it from the client's header): it is also the id the cluster tracks
+the request by, which must be unique, and two clients may well send the same header. CORS
+(services/cors.py) is answered here too: preflights before the API key check, the allow-origin
+header on every response to an allowed origin.
 """
 
 from __future__ import annotations
@@ -15,13 +23,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from importlib.metadata import version
 from typing import Any
 
 import grpc
 from aiohttp import web
 from opentelemetry import trace
 
+from metroserve.rpc import generation_pb2
 from metroserve.services.cluster_client import ClusterClient, UpstreamError
+from metroserve.services.cors import CorsPolicy
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
 from metroserve.services.metrics_http import metrics_handler
 from metroserve.services.openai_api import (
@@ -40,7 +51,20 @@ logger = logging.getLogger(__name__)
 
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
            grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNAUTHENTICATED: 401}
-_UNPROTECTED = ("/health", "/metrics")
+# Open for probes and rollout checks, as in vLLM; /version tells only the package version.
+_UNPROTECTED = ("/health", "/metrics", "/version")
+REQUEST_ID_HEADER = "X-Request-Id"
+# transformers' model_max_length when the tokenizer's config sets none (its VERY_LARGE_INTEGER).
+_UNSET_MAX_LENGTH = int(1e30)
+
+
+class ModelNotFound(LookupError):
+    """An unknown model id: 404 with OpenAI's body, as api.openai.com answers it (type
+    "invalid_request_error", param "model", code "model_not_found"; vLLM's type is "NotFoundError"),
+    so the openai client raises openai.NotFoundError."""
+
+    def __init__(self, model: str, served: str):
+        super().__init__(f"the model '{model}' does not exist; this server serves '{served}'")
 
 
 def json_error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -55,9 +79,32 @@ def upstream_error_response(e: UpstreamError) -> web.Response:
     return json_error(status, e.message, type_, param=e.param, code=e.code.name.lower(), headers=headers)
 
 
+def model_card(model: generation_pb2.ModelInfo) -> dict:
+    """One model as /v1/models lists it and /v1/models/{id} returns it."""
+    return {"id": model.id, "object": "model", "created": 0, "owned_by": "metroserve",
+            "max_model_len": model.max_model_len}
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """GET /tokenizer_info: vLLM's field names (tokenizer_class, model_max_length, bos_token, ...,
+    chat_template, as in tokenizer_config.json), plus what vLLM leaves to that file's keys: each
+    special token's id, vocab_size (added tokens included) and the served max_model_len.
+    chat_template is null when the tokenizer has none, model_max_length when its config sets none."""
+    info: dict = {"tokenizer_class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+                  "model_max_length": tokenizer.model_max_length
+                  if tokenizer.model_max_length < _UNSET_MAX_LENGTH else None,
+                  "max_model_len": max_model_len}
+    for name in ("bos", "eos", "pad", "unk"):
+        info[f"{name}_token"] = getattr(tokenizer, f"{name}_token")
+        info[f"{name}_token_id"] = getattr(tokenizer, f"{name}_token_id")
+    info["chat_template"] = tokenizer.chat_template or None
+    return info
+
+
 class RestAPI:
     def __init__(self, client: ClusterClient, tokenizer, model_name: str, max_model_len: int,
-                 api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics):
+                 api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics,
+                 cors: CorsPolicy | None = None):
         self.client = client
         self.metrics = metrics
         self.tracer = tracer("metroserve.gateway")
@@ -66,17 +113,46 @@ class RestAPI:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.cors = cors or CorsPolicy()
+        self._version_body = {"version": version("metroserve")}
+        self._tokenizer_info_body = tokenizer_info(tokenizer, max_model_len)  # fixed: built once
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._count, self._errors_and_auth])
+        app = web.Application(client_max_size=self.max_body_bytes,
+                              middlewares=[self._preflight, self._count, self._errors_and_auth])
+        # Headers go on in on_response_prepare, not in a middleware: a stream's are sent from
+        # inside its handler, before any middleware sees the response.
+        app.on_response_prepare.append(self._response_headers)
         app.router.add_get("/metrics", metrics_handler(self.metrics.registry))
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)  # ids may hold '/' (sent as %2F)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.get_version)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.get_tokenizer_info)
         return app
+
+    async def _response_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        origin = request.headers.get("Origin")
+        if origin and self.cors.allows(origin) and "Access-Control-Allow-Origin" not in response.headers:
+            response.headers.update(self.cors.response_headers(origin))
+
+    @web.middleware
+    async def _preflight(self, request: web.Request, handler):
+        """A browser's CORS preflight from an allowed origin, answered for any path without the API
+        key (browsers never send credentials on one); anything else goes on as usual."""
+        origin, method = request.headers.get("Origin"), request.headers.get("Access-Control-Request-Method")
+        if request.method != "OPTIONS" or not method or not origin or not self.cors.allows(origin):
+            return await handler(request)
+        headers = self.cors.preflight_headers(origin, method, request.headers.get("Access-Control-Request-Headers", ""))
+        if headers is None:
+            return json_error(400, f"CORS preflight: {method} or a requested header is not allowed",
+                              code="cors_not_allowed")
+        return web.Response(status=204, headers=headers)
 
     @web.middleware
     async def _count(self, request: web.Request, handler):
@@ -109,6 +185,8 @@ class RestAPI:
             return await handler(request)
         except BadRequest as e:
             return json_error(400, str(e), param=e.param, code=e.code)
+        except ModelNotFound as e:
+            return json_error(404, str(e), param="model", code="model_not_found")
         except UpstreamError as e:
             return upstream_error_response(e)
         except web.HTTPRequestEntityTooLarge:
@@ -128,18 +206,17 @@ class RestAPI:
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
-            raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                             param="model", code="model_not_found")
+            raise ModelNotFound(model, self.model_name)
 
     # -- generation ------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
-        return await self._generate(request, parse_completion(body, self.tokenizer))
+        return await self._generate(request, parse_completion(body, self.tokenizer, self.max_model_len))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
-        return await self._generate(request, parse_chat(body, self.tokenizer))
+        return await self._generate(request, parse_chat(body, self.tokenizer, self.max_model_len))
 
     async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         self._check_model(req.model)
@@ -152,20 +229,24 @@ class RestAPI:
 
     async def _generate_untraced(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(request_id, self.model_name, req.chat, req.logprobs, self.tokenizer,
-                                  req.params.logprobs or 0)
         n = req.params.n
+        builder = ResponseBuilder(request_id, self.model_name, req.output, self.tokenizer, req.prompts, n,
+                                  req.prompt_texts)
         streams = [stream_text(self.client, self.tokenizer, prompt, req.params, f"{request_id}-{i}",
                                self.model_name, req.priority, req.cache_salt) for i, prompt in enumerate(req.prompts)]
         merged = _merge(streams)
         try:
             # Every prompt admitted (or the first refusal raised) before the response starts.
             first_updates = await merged.__anext__()
+            if req.params.structured_outputs is not None:
+                first_updates = await _until_first_tokens(first_updates, merged, req)
             if req.stream:
                 return await self._stream(request, builder, req, merged, first_updates)
             choices: dict[int, list[TextDelta]] = {}
             usage = Usage(prompt_tokens=0)
             async for prompt_index, update in _chain(first_updates, merged):
+                if update.prompt_logprobs:
+                    builder.prompt_logprobs[prompt_index] = update.prompt_logprobs
                 for delta in update.deltas:
                     choices.setdefault(prompt_index * n + delta.index, []).append(delta)
                 if update.usage is not None:
@@ -184,6 +265,8 @@ class RestAPI:
         usage = Usage(prompt_tokens=0)
         try:
             async for prompt_index, update in _chain(first_updates, merged):
+                if update.prompt_logprobs:
+                    builder.prompt_logprobs[prompt_index] = update.prompt_logprobs
                 events = []
                 for delta in update.deltas:
                     index = prompt_index * n + delta.index
@@ -208,9 +291,21 @@ class RestAPI:
 
     async def models(self, request: web.Request) -> web.Response:
         models = await self.client.list_models()
-        return web.json_response({"object": "list", "data": [
-            {"id": m.id, "object": "model", "created": 0, "owned_by": "metroserve", "max_model_len": m.max_model_len}
-            for m in models]})
+        return web.json_response({"object": "list", "data": [model_card(m) for m in models]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        models = await self.client.list_models()
+        card = next((model_card(m) for m in models if m.id == model_id), None)
+        if card is None:
+            raise ModelNotFound(model_id, ", ".join(m.id for m in models))
+        return web.json_response(card)
+
+    async def get_version(self, request: web.Request) -> web.Response:
+        return web.json_response(self._version_body)
+
+    async def get_tokenizer_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self._tokenizer_info_body)
 
     async def health(self, request: web.Request) -> web.Response:
         if await self.client.ready():
@@ -218,14 +313,14 @@ class RestAPI:
         return json_error(503, "no worker is ready behind the scheduler", "server_error", code="unavailable")
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        from metroserve.common.chat import chat_prompt_ids
+        from metroserve.common.chat import ChatTemplateOptions, chat_prompt_ids
 
         body = await self._json_body(request)
         self._check_model(body.get("model") or "")
         if "messages" in body:
             try:
-                tokens = chat_prompt_ids(self.tokenizer, parse_messages(body),
-                                         add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+                tokens = chat_prompt_ids(self.tokenizer, parse_messages(body), ChatTemplateOptions(
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True))))
             except ValueError as e:
                 raise BadRequest(str(e), param="messages") from None
         elif isinstance(body.get("prompt"), str):
@@ -257,6 +352,27 @@ def _add_usage(total: Usage, part: Usage) -> None:
     total.prompt_tokens += part.prompt_tokens
     total.completion_tokens += part.completion_tokens
     total.cached_tokens += part.cached_tokens
+
+
+async def _until_first_tokens(first: list, rest: AsyncIterator, req: GenerationRequest) -> list:
+    """A constrained request's grammar is compiled by its worker, which refuses one the grammar engine
+    rejects: wait for every prompt's first output (or that refusal, as a 400 naming the request's
+    field) before the response starts."""
+    updates = list(first)
+    waiting = set(range(len(req.prompts)))
+    try:
+        while waiting:
+            item = await anext(rest, None)
+            if item is None:
+                break
+            updates.append(item)
+            if item[1].deltas or item[1].usage is not None:
+                waiting.discard(item[0])
+    except UpstreamError as e:
+        if e.param == "structured_outputs" and req.constraint_field:
+            e.param = req.constraint_field
+        raise
+    return updates
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator[tuple[int, StreamUpdate]]:

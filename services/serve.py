@@ -22,9 +22,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from metroserve.rpc.auth import ClusterCredentials, child_process_auth, generate_secret
+from metroserve.services.cors import CorsPolicy
 from metroserve.worker.config import EngineConfig
 
 logger = logging.getLogger("metroserve.serve")
@@ -59,6 +60,7 @@ class ServeOptions:
     scheduler_port: int = 50051
     kvstore: str = "memory"
     api_key: str | None = None
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # the gateway's
     max_queue_len: int = 1024
     metrics_port: int = 9090  # the scheduler's; worker i's is this + 1 + i; 0: none
     otlp_endpoint: str | None = None
@@ -110,6 +112,17 @@ class Stack:
         return ["worker", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--worker-id", worker_id,
                 "--served-model-name", o.served_model_name, *metrics, *self._tracing_argv(), *o.engine.to_cli_args()]
 
+    def _gateway_argv(self) -> list[str]:
+        o = self.options
+        argv = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
+                "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name,
+                "--scheduler-wait", str(o.scheduler_wait_s), *o.cors.to_cli_args(), *self._tracing_argv()]
+        if o.engine.model:
+            argv += ["--model", o.engine.model]
+        if o.api_key:
+            argv += ["--api-key", o.api_key]
+        return argv
+
     def metrics_urls(self) -> list[str]:
         o = self.options
         host = o.host if o.host != "0.0.0.0" else "127.0.0.1"
@@ -131,15 +144,7 @@ class Stack:
         for i in range(o.workers):
             worker_id = f"worker-{i}"
             self.workers[worker_id] = self._spawn(worker_id, self._worker_argv(worker_id), self._worker_env(i))
-        gateway = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
-                   "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name,
-                   "--scheduler-wait", str(o.scheduler_wait_s)]
-        if o.engine.model:
-            gateway += ["--model", o.engine.model]
-        if o.api_key:
-            gateway += ["--api-key", o.api_key]
-        gateway += self._tracing_argv()
-        self.gateway = self._spawn("gateway", gateway)
+        self.gateway = self._spawn("gateway", self._gateway_argv())
 
     def wait_ready(self, timeout_s: float = 600.0) -> bool:
         """Poll the gateway's /health until every part is up (a worker loading the model takes a while)."""

@@ -48,6 +48,8 @@ class Usage:
 class StreamUpdate:
     deltas: list[TextDelta] = field(default_factory=list)
     usage: Usage | None = None  # on the last update
+    # With the first tokens, when prompt_logprobs was asked: prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)
 
 
 class SequenceText:
@@ -104,7 +106,7 @@ async def stream_text(client: ClusterClient, tokenizer, prompt_token_ids: list[i
         async for msg in upstream:
             if msg.num_cached_tokens:
                 usage.cached_tokens = msg.num_cached_tokens
-            update = StreamUpdate()
+            update = StreamUpdate(prompt_logprobs=list(msg.prompt_logprobs))
             for delta in msg.outputs:
                 text_delta = seqs[delta.index].add(delta)
                 if text_delta is not None:

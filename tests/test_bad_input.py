@@ -8,12 +8,17 @@ import shutil
 import pytest
 
 from metroserve import LLM, AsyncEngine, ModelLoadError, SamplingParams
+from metroserve.common.structured_outputs import StructuredOutputsParams
 from tests.conftest import assert_all_blocks_free
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0, "n": 2}, "n must be 1"),
     ({"max_tokens": -5}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words_token_ids": [[]]}, "bad words"),
+    ({"min_tokens": 2, "structured_outputs": StructuredOutputsParams(choice=("a",))}, "min_tokens cannot"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"temperature": -0.1}, "temperature"),

@@ -1,6 +1,7 @@
 """Invariant 3 at the service edge: bad input to a running `metroserve serve` stack gets a 400 with an
-OpenAI-style error body (gRPC: INVALID_ARGUMENT), never a 500 and never a crash; unknown fields are
-ignored as OpenAI's API does; the stack keeps serving correctly afterwards."""
+OpenAI-style error body (gRPC: INVALID_ARGUMENT; an unknown model: 404, NOT_FOUND, see
+test_http_basics.py), never a 500 and never a crash; unknown fields are ignored as OpenAI's API
+does; the stack keeps serving correctly afterwards."""
 
 from __future__ import annotations
 
@@ -68,7 +69,11 @@ def post(stack: ServeStack, path: str, body, method: str = "POST") -> tuple[int,
 
 
 def assert_openai_400(status: int, ctype: str, body: dict) -> None:
-    assert status == 400, body
+    assert_openai_error(status, ctype, body, expected=400)
+
+
+def assert_openai_error(status: int, ctype: str, body: dict, expected: int) -> None:
+    assert status == expected, body
     assert ctype.startswith("application/json"), ctype  # a plain error, never an SSE stream
     assert set(body) == {"error"}, body
     err = body["error"]
@@ -93,10 +98,9 @@ FIELD_CASES = {
     "max_tokens-str": {"max_tokens": "10"},
     "n-float": {"n": 1.5},
     "logit_bias-list": {"logit_bias": [1, 2]},
-    "unknown-model": {"model": "no-such-model"},
     "n-too-large": {"n": 1000},
     "max_tokens-negative": {"max_tokens": -5},
-    "max_tokens-zero": {"max_tokens": 0},
+    "max_tokens-zero-with-n": {"max_tokens": 0, "n": 2},
     "stop-int": {"stop": 5},
     "stop-empty-string": {"stop": [""]},
     "stop-int-list": {"stop": [1, 2]},
@@ -179,9 +183,11 @@ def test_oversized_body_gets_400(stack, endpoint, stream):
     assert reply["error"]["code"] == "body_too_large"
 
 
-def test_unknown_model_error_names_the_model(stack):
-    status, ctype, body = post(stack, COMPLETIONS, {**BASE[COMPLETIONS], "model": "no-such-model"})
-    assert_openai_400(status, ctype, body)
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_model_gets_404_naming_the_model(stack, endpoint, stream):
+    status, ctype, body = post(stack, endpoint, {**BASE[endpoint], "model": "no-such-model", "stream": stream})
+    assert_openai_error(status, ctype, body, expected=404)
     assert body["error"]["param"] == "model" and "no-such-model" in body["error"]["message"]
 
 
@@ -194,7 +200,7 @@ def test_too_long_prompt_error_names_the_context_length(stack):
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 def test_unknown_fields_are_ignored(stack, endpoint, model_id):
     body = {**BASE[endpoint], "model": model_id, "foo": 1, "user": "x", "metadata": {"a": "b"},
-            "response_format": {"type": "json_object"}, "service_tier": "auto", "store": False}
+            "response_format": {"type": "text"}, "service_tier": "auto", "store": False}
     status, _, reply = post(stack, endpoint, body)
     assert status == 200, reply
     choice = reply["choices"][0]
@@ -208,9 +214,9 @@ def test_openai_client_raises_bad_request(stack, model_id):
         client.completions.create(model=model_id, prompt="hi", max_tokens=-1)
     assert err.value.status_code == 400 and "max_tokens" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=4, stream=True)
-    assert err.value.status_code == 400 and "no-such-model" in err.value.message
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=-1, stream=True)
+    assert err.value.status_code == 400 and "max_tokens" in err.value.message
 
 
 # -- gRPC ---------------------------------------------------------------------------------------------
@@ -227,7 +233,6 @@ def _params(**kwargs) -> generation_pb2.SamplingParams:
 
 
 GRPC_CASES = {
-    "unknown-model": generation_pb2.GenerateRequest(model="no-such-model", text="hi", params=_params()),
     "no-prompt": generation_pb2.GenerateRequest(params=_params()),
     "top_p-2": generation_pb2.GenerateRequest(text="hi", params=_params(top_p=2.0)),
     "prompt-ids-too-long": generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5] * 2100),
@@ -235,7 +240,8 @@ GRPC_CASES = {
     "prompt-id-outside-vocab": generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, VOCAB]),
                                                               params=_params()),
     "n-too-large": generation_pb2.GenerateRequest(text="hi", params=_params(n=1000)),
-    "max_tokens-zero": generation_pb2.GenerateRequest(text="hi", params=generation_pb2.SamplingParams(max_tokens=0)),
+    "max_tokens-zero-with-n": generation_pb2.GenerateRequest(text="hi", params=generation_pb2.SamplingParams(
+        max_tokens=0, n=2)),
     "empty-text": generation_pb2.GenerateRequest(text="", params=_params()),
 }
 
@@ -284,7 +290,6 @@ def test_tokenize_chat_messages(stack):
     ("/tokenize", {"prompt": 5}),
     ("/tokenize", {}),
     ("/tokenize", {"messages": "hi"}),
-    ("/tokenize", {"prompt": "hi", "model": "no-such-model"}),
     ("/tokenize", b"[1]"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else (v.decode() if isinstance(v, bytes) else v))
 def test_tokenize_detokenize_bad_input_gets_400(stack, path, body):

@@ -114,7 +114,7 @@ class Batcher:
                 seq = self.waiting[0]
                 if num_slots + self._seqs_after_fork(seq) > self.max_num_seqs:
                     break
-                cached = bm.find_cached_prefix(seq)
+                cached = [] if seq.request.needs_prompt_logprobs else bm.find_cached_prefix(seq)
                 num_cached = len(cached) * bm.block_size
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not bm.allocate(seq, num_new, cached):

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from metroserve.worker.sequence import Request, Sequence, SequenceStatus
 from metroserve.worker.spec_decode.config import SpeculativeConfig
 from metroserve.worker.spec_decode.draft_proposer import DraftModelProposer
 from metroserve.worker.spec_decode.speculator import Speculator
+
+if TYPE_CHECKING:
+    from metroserve.worker.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +123,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, sampler, self.device, self.drafter, graphs)
         self.speculator = Speculator(spec_config, self.max_model_len) if spec_config is not None else None
         self.requests: dict[str, Request] = {}
+        self._structured_outputs: StructuredOutputs | None = None
         self.metrics = None if config.disable_log_stats else EngineMetrics()
         self._kv_peak = KVPeak()
 
@@ -185,6 +190,7 @@ class LLMEngine:
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                           arrival_time=arrival_time or time.time(), priority=priority, cache_salt=cache_salt)
         self._attach_detokenizer(request.seqs[0])
+        self._attach_grammar(request.seqs[0], list(resume_token_ids))
         if resume_token_ids:
             seq = request.seqs[0]
             seq.token_ids.extend(resume_token_ids)
@@ -232,6 +238,23 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop_strings, p.include_stop_str_in_output,
                                                      p.skip_special_tokens)
 
+    @property
+    def structured_outputs(self) -> StructuredOutputs:
+        """Built on the first constrained request: xgrammar and its vocabulary tables cost time and memory."""
+        if self._structured_outputs is None:
+            from metroserve.worker.structured_output import StructuredOutputs
+
+            self._structured_outputs = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+            self.runner.structured_outputs = self._structured_outputs
+        return self._structured_outputs
+
+    def _attach_grammar(self, seq: Sequence, resume_token_ids: list[int]) -> None:
+        """Raises GrammarError (a ValueError) when the grammar engine rejects the constraint."""
+        spec = seq.request.params.structured_outputs
+        if spec is not None:
+            seq.grammar = self.structured_outputs.matcher(spec, resume_token_ids)
+
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
@@ -244,15 +267,20 @@ class LLMEngine:
         self._kv_peak.observe(self.batcher, batch)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_only: list[Sequence] = []  # max_tokens 0: the prompt was scored, nothing is sampled
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.num_computed_tokens + n < seq.num_tokens + seq.num_lookahead_tokens:
                 continue  # a prefill chunk with more to come: nothing to sample yet
+            if seq.request.params.max_tokens == 0:
+                prompt_only.append(seq)
+                continue
             sample_rows.append(i)
             sample_seqs.append(seq)
             request = seq.request
             if request.params.n > len(request.seqs):
                 for child in self.batcher.fork(seq, n):
                     self._attach_detokenizer(child)
+                    self._attach_grammar(child, [])
                     sample_rows.append(i)
                     sample_seqs.append(child)
         out = self.runner.execute(batch, sample_rows, sample_seqs)
@@ -262,11 +290,19 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(seq)
                 self.block_manager.release_out_of_window(seq)
 
+        for seq, entries in out.prompt_logprobs:
+            assert seq.request.prompt_logprobs is not None, "only requests that ask get prompt logprobs"
+            seq.request.prompt_logprobs.extend(entries)
+
         now = time.time()
         touched: dict[str, Request] = {}
         first_latencies: list[float] = []
         token_gaps: list[float] = []
         num_first_prompt = num_generated = 0
+        for seq in prompt_only:
+            touched[seq.request.request_id] = seq.request
+            seq.request.metrics.first_token_time = now
+            self._end(seq, "length")
         for seq, tokens, logprobs in zip(sample_seqs, out.token_ids, out.logprobs):
             request = seq.request
             touched[request.request_id] = request
@@ -322,6 +358,11 @@ class LLMEngine:
             seq.cumulative_logprob += logprobs[token]
         finish = append_token(token, seq.num_output_tokens, seq.request.params, seq.detokenizer,
                               self.eos_token_ids, seq.num_tokens, self.max_model_len)
+        if seq.grammar is not None:
+            accepted = seq.grammar.accept_token(token)
+            assert accepted, "the sampler only picks tokens the grammar allows"
+            if finish is None and seq.grammar.is_terminated():  # its stop token, with ignore_eos
+                self._end(seq, "stop")
         if finish is not None:
             seq.stop_reason = finish.stop_reason
             self._end(seq, finish.reason)

@@ -7,7 +7,7 @@ from typing import cast
 
 from tqdm.auto import tqdm
 
-from metroserve.common.chat import chat_prompt_ids
+from metroserve.common.chat import ChatTemplateOptions, chat_prompt_ids
 from metroserve.common.sampling_params import SamplingParams
 from metroserve.worker.config import EngineConfig
 from metroserve.worker.engine import LLMEngine
@@ -80,4 +80,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt)
+        return chat_prompt_ids(self.engine.tokenizer, messages, ChatTemplateOptions(add_generation_prompt))

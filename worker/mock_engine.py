@@ -165,6 +165,8 @@ class MockEngine:
             raise self._error
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:  # its tokens are synthetic: they could not match a grammar
+            raise ValueError("the mock engine does not simulate structured outputs")
         request = Request(request_id, None, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)
         if resume_token_ids:
             seq = request.seqs[0]
@@ -293,7 +295,12 @@ class MockEngine:
             touched[request.request_id] = request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            self._append_token(seq, self._next_token(seq))
+            if request.needs_prompt_logprobs:
+                self._score_prompt(request)
+            if request.params.max_tokens == 0:
+                self._end(seq, "length")
+            else:
+                self._append_token(seq, self._next_token(seq))
         for request in touched.values():
             if request.finished:
                 del self._requests[request.request_id]
@@ -312,6 +319,12 @@ class MockEngine:
             for _ in range(seq.num_output_tokens):  # resumed output: continue the stream where it was
                 rng.randrange(vocab)
         return rng.randrange(vocab)
+
+    def _score_prompt(self, request: Request) -> None:
+        """Synthetic logprobs for prompt tokens 1.. (the engine's come from the prefill's logits)."""
+        assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
+        request.prompt_logprobs.extend(synthetic_logprobs(t, request.params.prompt_logprobs, self.options.vocab_size)
+                                       for t in request.prompt_token_ids[1:])
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)

@@ -8,7 +8,8 @@ mirror of every target forward into the draft's KV pool) and verifies the drafts
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,12 +26,20 @@ from metroserve.worker.spec_decode.rejection_sampler import RejectionSampler
 
 if TYPE_CHECKING:
     from metroserve.worker.cuda_graphs import CudaGraphRunner
+    from metroserve.worker.structured_output import StructuredOutputs
+
+
+# Prompt positions whose full-vocabulary logits are materialised at once for prompt logprobs.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
 class StepOutput:
     token_ids: list[list[int]]  # per sampled sequence: one token, or accepted drafts + one
     logprobs: list[dict[int, float] | None]  # per sampled sequence (never speculating ones)
+    # (sequence, logprobs of the prompt tokens its chunk predicted, in order) for prefill chunks of
+    # requests that asked for prompt logprobs
+    prompt_logprobs: list[tuple[Sequence, list[dict[int, float]]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -46,6 +55,7 @@ class ModelRunner:
         self.graphs = graphs  # decode-only steps replay a captured CUDA graph
         self.device = device
         self.block_size = kv_cache.block_size
+        self.structured_outputs: StructuredOutputs | None = None  # set by the engine on the first constrained request
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_rows: list[int], sample_seqs: list[Sequence]) -> StepOutput:
@@ -57,6 +67,11 @@ class ModelRunner:
             lookahead = [s for s in batch.seqs if s.num_lookahead_tokens]
             if lookahead:
                 self.drafter.propose(lookahead)
+        # Grammar masks are computed in a thread while the model runs.
+        constrained = [j for j, s in enumerate(sample_seqs) if s.grammar is not None]
+        masks = self._structured().start_masks([(grammar, sample_seqs[j].spec_token_ids) for j in constrained
+                                                if (grammar := sample_seqs[j].grammar) is not None]
+                                               ) if constrained else None
         input_ids, positions, layout = self._prepare(batch)
         if self.graphs is not None and self.graphs.can_run(layout):
             hidden = self.graphs.run(input_ids, positions, layout)
@@ -65,25 +80,80 @@ class ModelRunner:
                                 self.model.prepare_attention(self.attention, layout))
         if self.drafter is not None:
             self.drafter.mirror(input_ids, positions, layout)
+        prompt_logprobs = self._prompt_logprobs(hidden, layout, batch)
         if not sample_seqs:
-            return StepOutput([], [])
+            return StepOutput([], [], prompt_logprobs)
         spec = [j for j, s in enumerate(sample_seqs) if s.spec_token_ids]
         if not spec:
             last_token = [layout.query_start[i] + layout.query_lens[i] - 1 for i in sample_rows]
             logits = self.model.compute_logits(hidden[torch.tensor(last_token, device=self.device)])
-            out = self.sampler(logits, sample_seqs)
-            return StepOutput([[t] for t in out.token_ids], out.logprobs)
-        return self._sample_with_drafts(hidden, layout, sample_rows, sample_seqs, spec)
+            if masks is not None:
+                self._structured().apply_masks(logits, masks.result(), constrained)
+            sampled = self.sampler(logits, sample_seqs)
+            return StepOutput([[t] for t in sampled.token_ids], sampled.logprobs, prompt_logprobs)
+        out = self._sample_with_drafts(hidden, layout, sample_rows, sample_seqs, spec, constrained, masks)
+        out.prompt_logprobs = prompt_logprobs
+        return out
+
+    def _structured(self) -> StructuredOutputs:
+        assert self.structured_outputs is not None, "a sequence has a grammar only once the engine built one"
+        return self.structured_outputs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, layout: BatchLayout,
+                         batch: ScheduledBatch) -> list[tuple[Sequence, list[dict[int, float]]]]:
+        """Logprobs of the prompt tokens that this step's prefill chunks predict (the logits at
+        position p score prompt token p + 1), for requests that asked. Full-vocabulary logits exist
+        for PROMPT_LOGPROBS_ROWS positions at a time; only the token's own logprob and the top-N
+        leave the device."""
+        out = []
+        for i, seq in enumerate(batch.seqs):
+            request = seq.request
+            if not request.needs_prompt_logprobs or seq.index != 0:
+                continue
+            assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
+            start, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+            # Targets already scored (before a preemption) are not scored again.
+            first = max(start + 1, len(request.prompt_logprobs))
+            last = min(start + layout.query_lens[i], num_prompt - 1)  # the last target, inclusive
+            if first > last:
+                continue
+            row0 = layout.query_start[i] - start  # hidden row of position 0 of this sequence
+            rows = torch.arange(row0 + first - 1, row0 + last, device=self.device)
+            targets = torch.tensor(seq.token_ids[first : last + 1], device=self.device)
+            out.append((seq, self._score(hidden, rows, targets, request.params.prompt_logprobs)))
+        return out
+
+    def _score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+               top_n: int) -> list[dict[int, float]]:
+        entries: list[dict[int, float]] = []
+        for lo in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[lo : lo + PROMPT_LOGPROBS_ROWS]])
+                                         .float(), dim=-1)
+            chunk_targets = targets[lo : lo + PROMPT_LOGPROBS_ROWS]
+            chosen = logprobs.gather(1, chunk_targets[:, None])[:, 0].tolist()
+            top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0], logprobs[:, :0].long())
+            for token, lp, ids, vals in zip(chunk_targets.tolist(), chosen, top_ids.tolist(), top_vals.tolist()):
+                entry = {token: lp}
+                for t, v in zip(ids, vals):
+                    entry.setdefault(t, v)
+                entries.append(entry)
+        return entries
 
     def _sample_with_drafts(self, hidden: torch.Tensor, layout: BatchLayout, sample_rows: list[int],
-                            sample_seqs: list[Sequence], spec: list[int]) -> StepOutput:
+                            sample_seqs: list[Sequence], spec: list[int], constrained: list[int],
+                            masks: Future[torch.Tensor] | None) -> StepOutput:
         spec_set = set(spec)
         plain = [j for j in range(len(sample_seqs)) if j not in spec_set]
         index = [layout.query_start[sample_rows[j]] + layout.query_lens[sample_rows[j]] - 1 for j in plain]
+        first_row = {j: r for r, j in enumerate(plain)}  # sample_seqs[j]'s first logits row
         for j in spec:
             start = layout.query_start[sample_rows[j]]
+            first_row[j] = len(index)
             index.extend(range(start, start + layout.query_lens[sample_rows[j]]))
         logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        if masks is not None:  # mask rows: 1 + drafts per constrained sequence, in order
+            rows = [first_row[j] + k for j in constrained for k in range(1 + len(sample_seqs[j].spec_token_ids))]
+            self._structured().apply_masks(logits, masks.result(), rows)
         token_ids: list[list[int]] = [[] for _ in sample_seqs]
         logprobs: list[dict[int, float] | None] = [None] * len(sample_seqs)
         if plain:

@@ -31,6 +31,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
+    # With params.prompt_logprobs: per prompt token {token id: logprob}, the first None. In delta
+    # mode only in the first output after the prefill, else None.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def make_request_output(request: Request, delta: bool = False) -> RequestOutput:
@@ -62,6 +65,11 @@ def make_request_output(request: Request, delta: bool = False) -> RequestOutput:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         ))
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None and (request.needs_prompt_logprobs or delta and request.prompt_logprobs_emitted):
+        prompt_logprobs = None
+    elif prompt_logprobs is not None and delta:
+        request.prompt_logprobs_emitted = True
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,
@@ -70,4 +78,5 @@ def make_request_output(request: Request, delta: bool = False) -> RequestOutput:
         finished=request.finished,
         num_cached_tokens=request.num_cached_tokens,
         metrics=request.metrics,
+        prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
     )

@@ -1,6 +1,6 @@
 """Sampler: next tokens for a batch of logits rows, each row with its own SamplingParams.
 
-Order of processing, as in vLLM: min_tokens ban on stop tokens, logit_bias, repetition /
+Order of processing, as in vLLM: allowed_token_ids, bad_words, min_tokens ban on stop tokens, logit_bias, repetition /
 presence / frequency penalties, then greedy argmax or temperature -> top-k -> top-p -> min-p ->
 a draw. Draws use the Gumbel-style trick argmax(p / q), q ~ Exp(1), so every row can have its
 own torch.Generator: a seeded request draws the same noise whatever else is in the batch.
@@ -42,6 +42,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         params = [s.request.params for s in seqs]
         plain_greedy = all(p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None
+                           and not p.allowed_token_ids and not p.bad_words_token_ids
                            and s.num_output_tokens >= p.min_tokens for p, s in zip(params, seqs))
         if plain_greedy:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
@@ -59,10 +60,34 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """A copy of logits with min_tokens, logit_bias and the penalties applied (row i for seqs[i])."""
         logits = logits.clone()
+        self._apply_allowed_tokens(logits, seqs)
+        self._apply_bad_words(logits, seqs)
         self._apply_min_tokens(logits, seqs)
         self._apply_logit_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         return logits
+
+    @staticmethod
+    def _apply_allowed_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, s in enumerate(seqs):
+            allowed = s.request.params.allowed_token_ids
+            if allowed:
+                keep = torch.tensor(allowed, device=logits.device)
+                kept = logits[i, keep]
+                logits[i] = float("-inf")
+                logits[i, keep] = kept
+
+    @staticmethod
+    def _apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Ban a bad word's last token where the output so far ends with the rest of it."""
+        for i, s in enumerate(seqs):
+            words = s.request.params.bad_words_token_ids
+            if not words:
+                continue
+            out = s.output_token_ids
+            banned = [w[-1] for w in words if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
+            if banned:
+                logits[i, banned] = float("-inf")
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, s in enumerate(seqs):

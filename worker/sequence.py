@@ -18,6 +18,7 @@ from metroserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    from xgrammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -69,6 +70,9 @@ class Sequence:
         self.draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]
         self.spec_acceptance = 0.5
         self.spec_pause = 0
+        # Structured outputs (worker.structured_output): an xgrammar GrammarMatcher that has accepted
+        # this sequence's output so far; None when the request puts no constraint on its output.
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,10 +134,21 @@ class Request:
     num_resumed_tokens: int = 0  # output produced on another worker before a migration
     aborted: bool = False
     metrics: RequestMetrics = field(init=False)
+    # With params.prompt_logprobs: per prompt token, {token id: logprob} (the token itself and the
+    # top-N); the first token's is None. Filled as prefill chunks run.
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
+    prompt_logprobs_emitted: bool = False  # handed to a streaming consumer
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs = [Sequence(self, 0, list(self.prompt_token_ids), len(self.prompt_token_ids))]
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all computed yet: its prompt must run through the model
+        from the first token, so it takes nothing from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def extra_keys(self) -> tuple[str, ...]:

@@ -153,7 +153,8 @@ class WorkerService:
             if seqs:
                 self._outbox(placement.gateway_id).outputs.append(cluster_pb2.PlacementOutput(
                     placement_id=out.request_id, num_cached_tokens=out.num_cached_tokens, seqs=seqs,
-                    request_id=placement.request_id, base_index=placement.base_index, num_tokens=counts))
+                    request_id=placement.request_id, base_index=placement.base_index, num_tokens=counts,
+                    prompt_logprobs=_prompt_logprobs_proto(out)))
                 touched.add(placement.gateway_id)
             if out.finished:
                 self._finish(out, placement)
@@ -231,7 +232,8 @@ class WorkerService:
 
     def rejected(self, request_id: str, error: Exception) -> None:
         self._discard(request_id)
-        self._rejected.append(cluster_pb2.Rejection(placement_id=request_id, message=str(error)))
+        self._rejected.append(cluster_pb2.Rejection(placement_id=request_id, message=str(error),
+                                                    param=getattr(error, "param", None) or ""))
         self._urgent.set()
 
     def failed(self, error: EngineDeadError) -> None:
@@ -440,3 +442,10 @@ class TokenStreamService(cluster_pb2_grpc.TokenStreamServicer):
         async for batch in self.worker.subscribe(request.gateway_id):
             yield batch
 
+
+def _prompt_logprobs_proto(out: RequestOutput) -> list[generation_pb2.TokenLogprobs]:
+    """Prompt tokens 1.. with their logprobs (token 0 has none); empty when not asked or sent before."""
+    if out.prompt_logprobs is None:
+        return []
+    return [logprobs_to_proto(t, lp) for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])
+            if lp is not None]

@@ -36,12 +36,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     if params.max_tokens is not None and n + params.max_tokens > limits.max_model_len:
         raise ParamError("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                          f"context length {limits.max_model_len}")
-    stop_ids = params.stop_token_ids or []  # SamplingParams normalises None to empty
     bad_ids = [t for t in _param_token_ids(params) if t >= vocab]
     if bad_ids:
-        field = "stop_token_ids" if any(t >= vocab for t in stop_ids) else "logit_bias"
-        raise ParamError(field, f"token ids {bad_ids[:5]} in stop_token_ids/logit_bias are outside the vocabulary "
-                         f"(size {vocab})")
+        field = next(name for name, ids in _named_token_ids(params) if any(t >= vocab for t in ids))
+        raise ParamError(field, f"token ids {bad_ids[:5]} in {field} are outside the vocabulary (size {vocab})")
     if params.n > limits.max_num_seqs:
         raise ParamError("n", f"n={params.n} exceeds max_num_seqs={limits.max_num_seqs}")
     longest, blocks = _kv_need(n, params, limits)
@@ -51,7 +49,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
 
 
 def max_token_id(prompt_token_ids: list[int], params: SamplingParams) -> int:
-    """The largest token id a request names (prompt, stop_token_ids, logit_bias): what fits() needs
+    """The largest token id a request names (prompt, and the token-id fields): what fits() needs
     of the vocabulary, computed once at admission."""
     return max([*prompt_token_ids, *_param_token_ids(params)], default=0)
 
@@ -66,8 +64,15 @@ def fits(limits: RequestLimits, num_prompt_tokens: int, largest_token_id: int, p
             and longest <= limits.max_model_len and blocks <= limits.num_blocks)
 
 
+def _named_token_ids(params: SamplingParams) -> list[tuple[str, list[int]]]:
+    """(request field, the token ids it names); SamplingParams normalises None to empty."""
+    return [("stop_token_ids", list(params.stop_token_ids or ())), ("logit_bias", list(params.logit_bias or {})),
+            ("allowed_token_ids", list(params.allowed_token_ids or ())),
+            ("bad_words", [t for word in params.bad_words_token_ids or () for t in word])]
+
+
 def _param_token_ids(params: SamplingParams) -> list[int]:
-    return [*(params.stop_token_ids or ()), *(params.logit_bias or {})]
+    return [t for _, ids in _named_token_ids(params) for t in ids]
 
 
 def _kv_need(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits) -> tuple[int, int]:

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeGuard
 
+from metroserve.common.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_N = 16
 # Token ids and counts travel as int32 on the wire, seeds as int64.
@@ -46,6 +48,16 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token, besides the chosen one
+    # Logprobs of the prompt's own tokens (and top-N alternatives), from the prefill's logits; the
+    # first prompt token has none. Such a prompt is computed in full, never read from the prefix cache.
+    prompt_logprobs: int | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Token sequences never to generate (vLLM's bad_words, tokenized by the caller): a one-token
+    # word is banned outright, a longer one's last token is banned right after the rest of it.
+    bad_words_token_ids: list[list[int]] | None = None
+    # The output must match this (JSON schema, regex, choice, grammar): a token mask at every step.
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     # False: never speculate for this request (when the engine runs with --speculative-config).
     speculative: bool = True
@@ -59,6 +71,7 @@ class SamplingParams:
             self.stop_strings = tuple(self.stop or ())
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or ()]
 
     @property
     def greedy(self) -> bool:
@@ -90,14 +103,41 @@ class SamplingParams:
                 fail(name, f"{name} must be in [-2, 2], got {value!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -MAX_INT64 - 1 <= self.seed <= MAX_INT64):
             fail("seed", f"seed must be a 64-bit integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
-            fail("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        # max_tokens 0: the prompt alone is scored (prompt_logprobs), nothing is generated.
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= MAX_INT32):
+            fail("max_tokens", f"max_tokens must be at least 0, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.n != 1:
+            fail("n", "n must be 1 when max_tokens is 0 (every sample would be the same empty output)")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
             fail("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            fail("prompt_logprobs",
+                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+            or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids",
+                 f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if self.bad_words_token_ids is not None and (
+            not isinstance(self.bad_words_token_ids, (list, tuple))
+            or not all(isinstance(w, (list, tuple)) and w and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in w)
+                       for w in self.bad_words_token_ids)
+        ):
+            fail("bad_words", "bad words must be non-empty token id lists")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
+            # These ban tokens the grammar may need (its end, or its only continuation).
+            for name in ("min_tokens", "allowed_token_ids", "bad_words_token_ids"):
+                if getattr(self, name):
+                    fail(name.removesuffix("_token_ids"), f"{name.removesuffix('_token_ids')} cannot be combined "
+                         "with structured outputs: the grammar decides which tokens may come next")
         if not isinstance(self.speculative, bool):
             fail("speculative", f"speculative must be true or false, got {self.speculative!r}")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop

@@ -65,9 +65,10 @@ class RejectionSampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
         """logits: seqs[i]'s 1 + len(spec_token_ids) rows, one sequence after another."""
         lens = [1 + len(s.spec_token_ids) for s in seqs]
-        # Speculating sequences have no penalties or min_tokens pending (see Speculator): of the
-        # logits processing only logit_bias can apply, the same at every position.
-        if any(s.request.params.logit_bias for s in seqs):
+        # Speculating sequences have no penalties, bad words or min_tokens pending (see Speculator):
+        # of the logits processing only logit_bias and allowed_token_ids can apply, the same at
+        # every position.
+        if any(s.request.params.logit_bias or s.request.params.allowed_token_ids for s in seqs):
             row_seqs = [s for s, n in zip(seqs, lens) for _ in range(n)]
             logits = self.sampler.process_logits(logits, row_seqs)
         out: list[list[int]] = [[] for _ in seqs]

@@ -6,8 +6,8 @@ runner fills them after the batcher has allocated their KV slots. The batcher th
 1 + lookahead tokens for such a sequence, so speculating and plain sequences share one step.
 
 A sequence drafts only when that cannot change what it would produce:
-- it asked for no repetition / presence / frequency penalty (they depend on every earlier token,
-  drafts included), no logprobs, and no seed (a seeded request promises the same text alone and in
+- it asked for no repetition / presence / frequency penalty and no bad words (they depend on
+  every earlier token, drafts included), no logprobs, and no seed (a seeded request promises the same text alone and in
   a busy batch, and speculation, which switches on and off with the batch size, draws differently);
 - its min_tokens are done; it did not switch speculation off (SamplingParams.speculative=False).
 """
@@ -76,7 +76,7 @@ class Speculator:
             return 0
         p = seq.request.params
         if (not p.speculative or p.needs_penalties or p.logprobs is not None or p.seed is not None
-                or seq.num_output_tokens < p.min_tokens):
+                or p.bad_words_token_ids or seq.num_output_tokens < p.min_tokens):
             return 0
         k = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if p.max_tokens is not None:

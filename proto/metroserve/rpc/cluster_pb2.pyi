@@ -74,28 +74,32 @@ class LoadReport(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class PlacementOutput(_message.Message):
-    __slots__ = ("placement_id", "num_cached_tokens", "seqs", "request_id", "base_index", "num_tokens")
+    __slots__ = ("placement_id", "num_cached_tokens", "seqs", "request_id", "base_index", "num_tokens", "prompt_logprobs")
     PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     placement_id: str
     num_cached_tokens: int
     seqs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.SequenceDelta]
     request_id: str
     base_index: int
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, placement_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[_generation_pb2.SequenceDelta, _Mapping]]] = ..., request_id: _Optional[str] = ..., base_index: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, placement_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[_generation_pb2.SequenceDelta, _Mapping]]] = ..., request_id: _Optional[str] = ..., base_index: _Optional[int] = ..., num_tokens: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Rejection(_message.Message):
-    __slots__ = ("placement_id", "message")
+    __slots__ = ("placement_id", "message", "param")
     PLACEMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
     placement_id: str
     message: str
-    def __init__(self, placement_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    param: str
+    def __init__(self, placement_id: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class PlacementFinish(_message.Message):
     __slots__ = ("placement_id", "finish_reasons", "num_tokens", "num_cached_tokens")

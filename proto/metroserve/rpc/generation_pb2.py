@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmetroserve/rpc/generation.proto\x12\rmetroserve.v1\"\xb0\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.metroserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x1c\n\x14max_tokens_unlimited\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x0c\n\x04stop\x18\x0f \x03(\t\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0c\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x14 \x01(\x08H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculative\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.metroserve.v1.TokenIdsH\x00\x12-\n\x06params\x18\x05 \x01(\x0b\x32\x1d.metroserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\xc2\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.metroserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x95\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.metroserve.v1.SequenceDelta\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.metroserve.v1.Usage\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\"\\\n\x0bSequenceEnd\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"M\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x65nded\x18\x02 \x03(\x0b\x32\x1a.metroserve.v1.SequenceEnd\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.metroserve.v1.ModelInfo2\xf2\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.metroserve.v1.GenerateRequest\x1a\x1f.metroserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.metroserve.v1.AbortRequest\x1a\x1c.metroserve.v1.AbortResponse\x12Q\n\nListModels\x12 .metroserve.v1.ListModelsRequest\x1a!.metroserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmetroserve/rpc/generation.proto\x12\rmetroserve.v1\"\xe7\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.metroserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x1c\n\x14max_tokens_unlimited\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x0c\n\x04stop\x18\x0f \x03(\t\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0c\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x14 \x01(\x08H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x0e\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x16 \x03(\x05\x12*\n\tbad_words\x18\x17 \x03(\x0b\x32\x17.metroserve.v1.TokenIds\x12<\n\x12structured_outputs\x18\x18 \x01(\x0b\x32 .metroserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculativeB\x12\n\x10_prompt_logprobs\"\xbb\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.metroserve.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x12\x12\n\nnot_strict\x18\x07 \x01(\x08\x42\x06\n\x04kind\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.metroserve.v1.TokenIdsH\x00\x12-\n\x06params\x18\x05 \x01(\x0b\x32\x1d.metroserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06prompt\"4\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\xc2\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.metroserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\x08stop_str\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.metroserve.v1.SequenceDelta\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.metroserve.v1.Usage\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x35\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1c.metroserve.v1.TokenLogprobs\"\\\n\x0bSequenceEnd\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"M\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x65nded\x18\x02 \x03(\x0b\x32\x1a.metroserve.v1.SequenceEnd\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.metroserve.v1.ModelInfo2\xf2\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.metroserve.v1.GenerateRequest\x1a\x1f.metroserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.metroserve.v1.AbortRequest\x1a\x1c.metroserve.v1.AbortResponse\x12Q\n\nListModels\x12 .metroserve.v1.ListModelsRequest\x1a!.metroserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=51
-  _globals['_SAMPLINGPARAMS']._serialized_end=867
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=609
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=657
-  _globals['_TOKENIDS']._serialized_start=869
-  _globals['_TOKENIDS']._serialized_end=892
-  _globals['_GENERATEREQUEST']._serialized_start=895
-  _globals['_GENERATEREQUEST']._serialized_end=1104
-  _globals['_TOKENLOGPROBS']._serialized_start=1106
-  _globals['_TOKENLOGPROBS']._serialized_end=1158
-  _globals['_SEQUENCEDELTA']._serialized_start=1161
-  _globals['_SEQUENCEDELTA']._serialized_end=1355
-  _globals['_USAGE']._serialized_start=1357
-  _globals['_USAGE']._serialized_end=1437
-  _globals['_GENERATERESPONSE']._serialized_start=1440
-  _globals['_GENERATERESPONSE']._serialized_end=1589
-  _globals['_SEQUENCEEND']._serialized_start=1591
-  _globals['_SEQUENCEEND']._serialized_end=1683
-  _globals['_ABORTREQUEST']._serialized_start=1685
-  _globals['_ABORTREQUEST']._serialized_end=1762
-  _globals['_ABORTRESPONSE']._serialized_start=1764
-  _globals['_ABORTRESPONSE']._serialized_end=1794
-  _globals['_LISTMODELSREQUEST']._serialized_start=1796
-  _globals['_LISTMODELSREQUEST']._serialized_end=1815
-  _globals['_MODELINFO']._serialized_start=1817
-  _globals['_MODELINFO']._serialized_end=1883
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1885
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1947
-  _globals['_GENERATION']._serialized_start=1950
-  _globals['_GENERATION']._serialized_end=2192
+  _globals['_SAMPLINGPARAMS']._serialized_end=1050
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=772
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=820
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1053
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1240
+  _globals['_CHOICE']._serialized_start=1242
+  _globals['_CHOICE']._serialized_end=1267
+  _globals['_TOKENIDS']._serialized_start=1269
+  _globals['_TOKENIDS']._serialized_end=1292
+  _globals['_GENERATEREQUEST']._serialized_start=1295
+  _globals['_GENERATEREQUEST']._serialized_end=1504
+  _globals['_TOKENLOGPROBS']._serialized_start=1506
+  _globals['_TOKENLOGPROBS']._serialized_end=1558
+  _globals['_SEQUENCEDELTA']._serialized_start=1561
+  _globals['_SEQUENCEDELTA']._serialized_end=1755
+  _globals['_USAGE']._serialized_start=1757
+  _globals['_USAGE']._serialized_end=1837
+  _globals['_GENERATERESPONSE']._serialized_start=1840
+  _globals['_GENERATERESPONSE']._serialized_end=2044
+  _globals['_SEQUENCEEND']._serialized_start=2046
+  _globals['_SEQUENCEEND']._serialized_end=2138
+  _globals['_ABORTREQUEST']._serialized_start=2140
+  _globals['_ABORTREQUEST']._serialized_end=2217
+  _globals['_ABORTRESPONSE']._serialized_start=2219
+  _globals['_ABORTRESPONSE']._serialized_end=2249
+  _globals['_LISTMODELSREQUEST']._serialized_start=2251
+  _globals['_LISTMODELSREQUEST']._serialized_end=2270
+  _globals['_MODELINFO']._serialized_start=2272
+  _globals['_MODELINFO']._serialized_end=2338
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2340
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2402
+  _globals['_GENERATION']._serialized_start=2405
+  _globals['_GENERATION']._serialized_end=2647
 # @@protoc_insertion_point(module_scope)
