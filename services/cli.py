@@ -66,6 +66,7 @@ def _scheduler(args: argparse.Namespace) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> None:
+    from metroserve.services.chat_serving import chat_serving_from_args
     from metroserve.services.cors import policy_from_args
     from metroserve.services.gateway import GatewayOptions, run_gateway
     from metroserve.services.tracing import configure_tracing
@@ -74,7 +75,8 @@ def _gateway(args: argparse.Namespace) -> None:
     options = GatewayOptions(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes, cors=policy_from_args(args),
-                             scheduler_wait_s=args.scheduler_wait, credentials=_cluster_credentials(args))
+                             chat=chat_serving_from_args(args), scheduler_wait_s=args.scheduler_wait,
+                             credentials=_cluster_credentials(args))
     _run_async(lambda stop: run_gateway(options, stop), "gateway")
 
 
@@ -148,6 +150,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from metroserve.rpc.auth import credentials_from_args
+    from metroserve.services.chat_serving import chat_serving_from_args
     from metroserve.services.cors import policy_from_args
     from metroserve.services.serve import ServeOptions, Stack
     from metroserve.worker.config import EngineConfig
@@ -160,6 +163,7 @@ def _serve(args: argparse.Namespace) -> None:
     stack = Stack(ServeOptions(engine=config, served_model_name=name, workers=args.workers, host=args.host,
                                port=args.port, grpc_port=args.grpc_port, scheduler_port=args.scheduler_port,
                                kvstore=args.kvstore, api_key=args.api_key, cors=policy_from_args(args),
+                               chat=chat_serving_from_args(args),
                                max_queue_len=args.max_queue_len, metrics_port=args.metrics_port,
                                otlp_endpoint=args.otlp_endpoint,
                                log_requests=not args.disable_log_requests,
@@ -185,6 +189,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, scheduler: bool = False) -> None:
+    from metroserve.services.chat_serving import add_chat_args
     from metroserve.services.cors import add_cors_args
 
     if gateway:
@@ -195,6 +200,7 @@ def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, sche
                        help="require 'Authorization: Bearer KEY' on REST and gRPC (default: $METROSERVE_API_KEY)")
         p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
         add_cors_args(p)
+        add_chat_args(p)
     if scheduler:
         p.add_argument("--kvstore", default="memory",
                        help="prefix index and request state: 'memory' (embedded) or redis://host:port/db")

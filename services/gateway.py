@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from metroserve.common.tokenizer import load_tokenizer
 from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2_grpc
 from metroserve.rpc.auth import ClusterCredentials
+from metroserve.services.chat_serving import ChatServing
 from metroserve.services.cluster_client import ClusterClient
 from metroserve.services.cors import CorsPolicy
 from metroserve.services.gateway_metrics import GatewayMetrics
@@ -45,6 +46,7 @@ class GatewayOptions:
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # default: off, no CORS headers
+    chat: ChatServing = field(default_factory=ChatServing)  # --chat-template, --tool-call-parser
     scheduler_wait_s: float = 30.0  # a request waits this long for a scheduler that does not answer
     credentials: ClusterCredentials = field(default_factory=ClusterCredentials.from_env)
 
@@ -69,13 +71,14 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     api_key = options.api_key or os.environ.get("METROSERVE_API_KEY") or None
     model_dir = resolve_model_dir(options.model)
     tokenizer = load_tokenizer(model_dir)
+    options.chat.apply_template(tokenizer)
     model_name = options.served_model_name or served_model_name(options.model)
     client = ClusterClient(options.scheduler, options.credentials, scheduler_wait_s=options.scheduler_wait_s)
     client.start()
 
     metrics = GatewayMetrics()
     rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes, metrics,
-                   options.cors)
+                   options.cors, options.chat.tool_call_parser)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts upstream.
     runner = web.AppRunner(rest.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -22,6 +22,7 @@ from metroserve.common.sampling_params import MAX_INT32, ParamError, SamplingPar
 from metroserve.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from metroserve.rpc import generation_pb2
 from metroserve.services.text_stream import TextDelta, Usage
+from metroserve.services.tool_calls import ToolRequest, ToolRequestError, parse_tool_request
 from metroserve.services.unsupported_fields import unsupported_field
 
 # Body field -> SamplingParams field, where they differ only in presence, not meaning.
@@ -55,6 +56,7 @@ class OutputOptions:
     return_token_ids: bool = False
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
     continuous_usage: bool = False  # every streamed chunk carries usage so far
+    tools: ToolRequest | None = None  # chat: the output may be tool calls (services/tool_calls.py)
 
 
 @dataclass
@@ -183,7 +185,9 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str 
         if name == "guided_json":
             value = _schema_text(value, name)
         elif name == "guided_choice":
-            value = tuple(value) if isinstance(value, list) else value
+            if not isinstance(value, list):
+                raise BadRequest("'guided_choice' must be a list of strings", param=name)
+            value = tuple(value)
         return StructuredOutputsParams(**{_GUIDED[name]: value}), name
     except StructuredOutputsError as e:
         raise BadRequest(f"'{name}': {e}", param=name) from None
@@ -315,17 +319,22 @@ def parse_messages(body: dict) -> list[dict]:
     return parsed
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenerationRequest:
+def parse_chat(body: dict, tokenizer, max_model_len: int, tool_call_parser: str | None = None) -> GenerationRequest:
     from metroserve.common.chat import ChatTemplateOptions, chat_prompt_ids
 
     _refuse_unsupported(body, "chat")
     messages = parse_messages(body)
+    try:
+        tools = parse_tool_request(body, tool_call_parser)
+    except ToolRequestError as e:
+        raise BadRequest(str(e), param=e.param) from None
     kwargs = _get(body, "chat_template_kwargs", dict, {})
     options = ChatTemplateOptions(
         add_generation_prompt=_get(body, "add_generation_prompt", bool, True),
         continue_final_message=_get(body, "continue_final_message", bool, False),
         add_special_tokens=_get(body, "add_special_tokens", bool, False),
-        chat_template=_get(body, "chat_template", str), template_kwargs=kwargs)
+        chat_template=_get(body, "chat_template", str), template_kwargs=kwargs,
+        tools=tools.template_tools if tools is not None else None)
     if options.add_generation_prompt and options.continue_final_message:
         raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false",
                          param="continue_final_message")
@@ -345,13 +354,20 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenerationRequest:
         max_tokens = _get(body, "max_tokens", int)
     stream, include_usage, _ = _stream_options(body)
     constraint, constraint_field = structured_outputs(body)
+    if tools is not None and (forced := tools.constraint()) is not None:
+        if constraint is not None:
+            raise BadRequest(f"tool_choice '{tools.mode}' constrains the output itself: drop '{constraint_field}'",
+                             param=constraint_field)
+        constraint, constraint_field = forced, "tools"
+    output = _output_options(body, True, want_logprobs, top or 0)
+    output.tools = tools
     return GenerationRequest(
         model=_get(body, "model", str, ""), prompts=[prompt],
         params=_sampling_params(body, tokenizer, max_tokens, (top or 0) if want_logprobs else None,
                                 _get(body, "prompt_logprobs", int), constraint),
         constraint_field=constraint_field,
         stream=stream, include_usage=include_usage, priority=_priority(body),
-        cache_salt=_get(body, "cache_salt", str), output=_output_options(body, True, want_logprobs, top or 0))
+        cache_salt=_get(body, "cache_salt", str), output=output)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -409,6 +425,11 @@ class LogprobsRenderer:
                          for e in entries]
 
 
+def _tool_finish(finish: str | None) -> str | None:
+    """An output that ended on its own and holds calls finishes as "tool_calls", as in OpenAI's API."""
+    return "tool_calls" if finish == "stop" else finish
+
+
 def _merge_completion_logprobs(prompt: dict, output: dict) -> dict:
     return {key: prompt[key] + output[key] for key in prompt}
 
@@ -429,6 +450,9 @@ class ResponseBuilder:
     # prompt index -> its tokens' logprobs (tokens 1..), as they arrive
     prompt_logprobs: dict[int, list[generation_pb2.TokenLogprobs]] = field(default_factory=dict)
     num_streamed_tokens: int = 0
+    # With tools, per streamed choice: its text so far and how much of it went out as content
+    tool_text: dict[int, str] = field(default_factory=dict)
+    tool_sent: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -486,7 +510,9 @@ class ResponseBuilder:
                         "logprobs": self._logprobs(prompt_index, delta.logprobs, echo)
                         if delta.logprobs or echo else None}
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            choice["delta"] = self._chat_delta(choice_index, delta, choice)
+            if first:
+                choice["delta"] = {"role": "assistant", **choice["delta"]}
         else:
             choice["text"] = (self.prompt_texts[prompt_index] if echo else "") + delta.text
         if delta.stop_reason is not None:
@@ -497,6 +523,25 @@ class ResponseBuilder:
         if self.options.continuous_usage:
             body["usage"] = usage_body(Usage(sum(map(len, self.prompts)), self.num_streamed_tokens))
         return body
+
+    def _chat_delta(self, choice_index: int, delta: TextDelta, choice: dict) -> dict:
+        """The chat delta: plain content, or with tools, the content that cannot be part of a call
+        yet, and the calls themselves once the output ends."""
+        tools = self.options.tools
+        if tools is None:
+            return {"content": delta.text}
+        text = self.tool_text[choice_index] = self.tool_text.get(choice_index, "") + delta.text
+        sent = self.tool_sent.get(choice_index, 0)
+        if delta.finish_reason is None:
+            end = max(sent, tools.may_start_call(text))
+            self.tool_sent[choice_index] = end
+            return {"content": text[sent:end]}
+        content, calls = tools.parse(text)
+        out: dict = {"content": (content or "")[sent:] or None}
+        if calls:
+            out["tool_calls"] = [c.body(i) for i, c in enumerate(calls)]
+            choice["finish_reason"] = _tool_finish(delta.finish_reason)
+        return out
 
     def usage_chunk(self, usage: Usage) -> dict:
         return {**self._envelope(chunk=True), "choices": [], "usage": usage_body(usage)}
@@ -514,6 +559,12 @@ class ResponseBuilder:
                             "logprobs": self._logprobs(prompt_index, entries, self.options.echo)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if self.options.tools is not None:
+                    content, calls = self.options.tools.parse(text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content,
+                                             "tool_calls": [c.body() for c in calls]}
+                        choice["finish_reason"] = _tool_finish(finish)
             else:
                 choice["text"] = (self.prompt_texts[prompt_index] if self.options.echo else "") + text
             self._extras(choice, prompt_index, [t for d in deltas for t in d.token_ids], first=True)

@@ -2,10 +2,11 @@
 
 Routes: /v1/chat/completions, /v1/completions (SSE streaming ending in [DONE], usage chunk with
 stream_options.include_usage), /v1/models, /v1/models/{id}, /health, /version, /tokenize,
-/detokenize, /tokenizer_info. The server cancels a handler when its client disconnects; the
-cancellation ends the request's stream, which aborts the request on its worker and frees its
-blocks. A streaming response is only started once the scheduler has admitted every prompt, so
-refusals still get a proper status (400/404/429/503).
+/detokenize, /tokenizer_info, /openapi.json and /docs (services/openapi.py, whose schemas every JSON
+body is validated against before it is parsed). The server cancels a handler when its client
+disconnects; the cancellation ends the request's stream, which aborts the request on its worker
+and frees its blocks. A streaming response is only started once the scheduler has admitted every
+prompt, so refusals still get a proper status (400/404/429/503).
 
 Every response, streams and errors included, carries X-Request-Id: the client's own, echoed, else
 a fresh uuid4 hex. The completion's body id stays `cmpl-<uuid4 hex>` / `chatcmpl-<uuid4 hex>`
@@ -44,6 +45,7 @@ from metroserve.services.openai_api import (
     parse_completion,
     parse_messages,
 )
+from metroserve.services.openapi import docs_handler, openapi_handler, validate_body
 from metroserve.services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
 from metroserve.services.tracing import tracer
 
@@ -51,8 +53,9 @@ logger = logging.getLogger(__name__)
 
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
            grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNAUTHENTICATED: 401}
-# Open for probes and rollout checks, as in vLLM; /version tells only the package version.
-_UNPROTECTED = ("/health", "/metrics", "/version")
+# Open for probes and rollout checks, as in vLLM; /version tells only the package version; the API's
+# description (/openapi.json, /docs) holds nothing secret.
+_UNPROTECTED = ("/health", "/metrics", "/version", "/openapi.json", "/docs")
 REQUEST_ID_HEADER = "X-Request-Id"
 # transformers' model_max_length when the tokenizer's config sets none (its VERY_LARGE_INTEGER).
 _UNSET_MAX_LENGTH = int(1e30)
@@ -104,8 +107,9 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
 class RestAPI:
     def __init__(self, client: ClusterClient, tokenizer, model_name: str, max_model_len: int,
                  api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics,
-                 cors: CorsPolicy | None = None):
+                 cors: CorsPolicy | None = None, tool_call_parser: str | None = None):
         self.client = client
+        self.tool_call_parser = tool_call_parser
         self.metrics = metrics
         self.tracer = tracer("metroserve.gateway")
         self.tokenizer = tokenizer
@@ -133,6 +137,8 @@ class RestAPI:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.get_tokenizer_info)
+        app.router.add_get("/openapi.json", openapi_handler)  # services/openapi.py: the bodies' schemas
+        app.router.add_get("/docs", docs_handler)
         return app
 
     async def _response_headers(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -202,6 +208,7 @@ class RestAPI:
             raise BadRequest(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        validate_body(request.path, body)  # the route's published schema (services/openapi.py)
         return body
 
     def _check_model(self, model: str) -> None:
@@ -216,7 +223,8 @@ class RestAPI:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
-        return await self._generate(request, parse_chat(body, self.tokenizer, self.max_model_len))
+        return await self._generate(request, parse_chat(body, self.tokenizer, self.max_model_len,
+                                                        self.tool_call_parser))
 
     async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         self._check_model(req.model)
@@ -320,9 +328,11 @@ class RestAPI:
         if "messages" in body:
             try:
                 tokens = chat_prompt_ids(self.tokenizer, parse_messages(body), ChatTemplateOptions(
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True))))
+                    add_generation_prompt=body.get("add_generation_prompt") is not False))
             except ValueError as e:
                 raise BadRequest(str(e), param="messages") from None
+            except Exception as e:  # the template itself raised (e.g. a role it does not allow)
+                raise BadRequest(f"the chat template rejected these messages: {e}", param="messages") from None
         elif isinstance(body.get("prompt"), str):
             tokens = self.tokenizer.encode(body["prompt"],
                                            add_special_tokens=bool(body.get("add_special_tokens", True)))

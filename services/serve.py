@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from metroserve.rpc.auth import ClusterCredentials, child_process_auth, generate_secret
+from metroserve.services.chat_serving import ChatServing
 from metroserve.services.cors import CorsPolicy
 from metroserve.worker.config import EngineConfig
 
@@ -61,6 +62,7 @@ class ServeOptions:
     kvstore: str = "memory"
     api_key: str | None = None
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # the gateway's
+    chat: ChatServing = field(default_factory=ChatServing)  # the gateway's chat template and tool-call parser
     max_queue_len: int = 1024
     metrics_port: int = 9090  # the scheduler's; worker i's is this + 1 + i; 0: none
     otlp_endpoint: str | None = None
@@ -116,7 +118,8 @@ class Stack:
         o = self.options
         argv = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
                 "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name,
-                "--scheduler-wait", str(o.scheduler_wait_s), *o.cors.to_cli_args(), *self._tracing_argv()]
+                "--scheduler-wait", str(o.scheduler_wait_s), *o.cors.to_cli_args(), *o.chat.to_cli_args(),
+                *self._tracing_argv()]
         if o.engine.model:
             argv += ["--model", o.engine.model]
         if o.api_key:

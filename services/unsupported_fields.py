@@ -23,7 +23,7 @@ def _equals(*values: object) -> Callable[[object], bool]:
     return lambda v: any(v == x and type(v) is type(x) for x in values)
 
 
-_TOOLS = "tool calling is not implemented yet"
+_TOOLS = "the deprecated functions API is not supported; use tools and tool_choice"
 
 UNSUPPORTED: dict[str, Unsupported] = {
     "use_beam_search": Unsupported("beam search is not implemented"),
@@ -36,8 +36,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                                                  _equals(True)),
     "guided_whitespace_pattern": Unsupported("a custom whitespace pattern is not supported; "
                                              "structured_outputs.disable_any_whitespace chooses compact or free"),
-    "tools": Unsupported(_TOOLS, endpoints=("chat",)),
-    "tool_choice": Unsupported(_TOOLS, _equals("none"), endpoints=("chat",)),
     "functions": Unsupported(_TOOLS, endpoints=("chat",)),
     "function_call": Unsupported(_TOOLS, _equals("none"), endpoints=("chat",)),
     "echo": Unsupported("echo on chat completions is not supported (it is on /v1/completions)",

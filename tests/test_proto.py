@@ -33,8 +33,8 @@ def test_committed_stubs_match_proto_files(tmp_path):
                    presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={7: 2.5}, seed=11, max_tokens=None,
                    min_tokens=2, ignore_eos=True, stop=["\n\n", "END"], stop_token_ids=[3],
                    include_stop_str_in_output=True, logprobs=4, skip_special_tokens=False),
-    SamplingParams(max_tokens=0, prompt_logprobs=0, allowed_token_ids=[1, 5], bad_words_token_ids=[[4], [7, 8]],
-                   structured_outputs=StructuredOutputsParams(json='{"type": "object"}', strict=False)),
+    SamplingParams(max_tokens=0, prompt_logprobs=0, allowed_token_ids=[1, 5], bad_words_token_ids=[[4], [7, 8]]),
+    SamplingParams(structured_outputs=StructuredOutputsParams(json='{"type": "object"}', strict=False)),
     SamplingParams(structured_outputs=StructuredOutputsParams(choice=("yes", "no"), any_whitespace=True)),
     SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)),
 ])

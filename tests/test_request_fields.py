@@ -102,6 +102,14 @@ def test_vllm_prompt_logprobs_and_token_ids(stack, tokenizer):
         assert str(token) in entry and 2 <= len(entry) <= 3
 
 
+def test_tokens_as_token_ids(stack):
+    status, body = _post(stack, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1,
+                                                    "return_tokens_as_token_ids": True, "return_token_ids": True})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+
+
 def test_logprobs_zero_lists_the_sampled_token(client, model_id):
     out = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=3, logprobs=0, temperature=0)
     lp = out.choices[0].logprobs
@@ -157,11 +165,7 @@ def test_stream_options_need_stream(stack):
 # A value that would change the result, per refused field.
 _EFFECTIVE = {"use_beam_search": True, "best_of": 3, "length_penalty": 0.5, "early_stopping": True,
               "logits_processors": ["x"], "spaces_between_special_tokens": False,
-              "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a", "b"]},
-              "guided_json": {"type": "object"}, "guided_regex": "[ab]", "guided_choice": ["a", "b"],
-              "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
-              "guided_whitespace_pattern": " ", "tools": [{"type": "function", "function": {"name": "f"}}],
-              "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto", "echo": True,
+              "guided_whitespace_pattern": " ", "functions": [{"name": "f"}], "function_call": "auto", "echo": True,
               "documents": [{"text": "x"}], "mm_processor_kwargs": {"a": 1}, "prompt_embeds": "AAAA",
               "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "prediction": {"type": "content"},
               "audio": {"voice": "x"}, "modalities": ["text", "audio"], "web_search_options": {},
@@ -182,8 +186,7 @@ def test_unsupported_fields_are_refused_by_name(stack, field, endpoint):
     assert status == 400, reply
     assert reply["error"]["param"] == field and field in reply["error"]["message"]
     # The inert value clients send by default passes.
-    inert = {"best_of": 1, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-             "response_format": {"type": "text"}, "tool_choice": "none", "function_call": "none",
+    inert = {"best_of": 1, "length_penalty": 1.0, "spaces_between_special_tokens": True, "function_call": "none",
              "modalities": ["text"], "service_tier": "auto", "web_search_options": None}.get(field, False)
     body[field] = inert
     status, reply = _post(stack, path, body)

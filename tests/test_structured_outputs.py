@@ -104,3 +104,30 @@ def test_rejected_constraints_name_the_field(llm, spec):
         llm.generate(["hi"], SamplingParams(structured_outputs=spec), use_tqdm=False)
     assert getattr(err.value, "param", None) == "structured_outputs"
     assert_all_blocks_free(llm)
+
+
+def test_masks_match_xgrammars_own_kernel(llm):
+    """Our unpack + masked_fill forbids exactly what xgrammar's apply_token_bitmask_inplace does."""
+    import torch
+    import xgrammar as xgr
+
+    so = llm.engine.structured_outputs
+    vocab = so.vocab_size
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, -(-vocab // 32)), dtype=torch.int32, generator=torch.Generator()
+                            .manual_seed(0))
+    bitmask[1] = 0
+    bitmask[1, 3] = 1 << 5  # one allowed token: 3 * 32 + 5
+    logits = torch.randn(6, vocab)
+    rows = [0, 2, 3, 5]
+    expected = logits.clone()
+    full = torch.full((6, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(expected, full, indices=rows)
+    ours = logits.clone()
+    so.apply_masks(ours, so._forbidden(bitmask), rows)
+    assert torch.equal(ours, expected)
+    assert (ours[2] > float("-inf")).nonzero().flatten().tolist() == [3 * 32 + 5]
+    every, every_expected = logits[:4].clone(), logits[:4].clone()
+    so.apply_masks(every, so._forbidden(bitmask), [0, 1, 2, 3])
+    xgr.apply_token_bitmask_inplace(every_expected, bitmask)
+    assert torch.equal(every, every_expected)

@@ -134,10 +134,11 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
             # These ban tokens the grammar may need (its end, or its only continuation).
-            for name in ("min_tokens", "allowed_token_ids", "bad_words_token_ids"):
+            for name, param in (("min_tokens", "min_tokens"), ("allowed_token_ids", "allowed_token_ids"),
+                                ("bad_words_token_ids", "bad_words")):
                 if getattr(self, name):
-                    fail(name.removesuffix("_token_ids"), f"{name.removesuffix('_token_ids')} cannot be combined "
-                         "with structured outputs: the grammar decides which tokens may come next")
+                    fail(param, f"{param} cannot be combined with structured outputs: the grammar decides which "
+                         "tokens may come next")
         if not isinstance(self.speculative, bool):
             fail("speculative", f"speculative must be true or false, got {self.speculative!r}")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -174,6 +175,6 @@ def _is_number(value: object) -> TypeGuard[float]:
 
 def _as_int(token: object) -> object:
     """JSON object keys arrive as strings; accept "123" as token 123."""
-    if isinstance(token, str) and token.isdigit():
+    if isinstance(token, str) and token.isascii() and token.isdigit():  # not "²", which int() refuses
         return int(token)
     return token

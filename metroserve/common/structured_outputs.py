@@ -36,7 +36,8 @@ class StructuredOutputsParams:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputsError(f"give exactly one of {', '.join(KINDS)}; got {given or 'none'}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        if self.choice is not None and (not isinstance(self.choice, (tuple, list)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
             raise StructuredOutputsError("choice must be a non-empty list of non-empty strings")
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
