@@ -71,11 +71,11 @@ def metric_value(samples: dict, name: str, **labels) -> float:
 
 
 def stream_completions(base_url: str, model: str, prompts: list[str], max_tokens: int, on_progress=None,
-                       started_at: int = 5) -> list[tuple[str, str | None, int]]:
+                       started_at: int = 5, extra_body: dict | None = None) -> list[tuple[str, str | None, int]]:
     """Stream every prompt at once through the OpenAI client (greedy, ignore_eos); returns each
     one's (text, finish reason, completion tokens). Once every stream has `started_at` chunks,
     `await on_progress(progress)` runs (progress: prompt index -> chunks so far), e.g. to kill a
-    process mid-run, while the streams go on as tasks of the same loop."""
+    process mid-run, while the streams go on as tasks of the same loop. extra_body: more request fields."""
     import asyncio
     from collections import Counter
 
@@ -85,7 +85,7 @@ def stream_completions(base_url: str, model: str, prompts: list[str], max_tokens
 
     async def one(client, i: int):
         stream = await client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream=True, extra_body={"ignore_eos": True, **(extra_body or {})},
                                                  stream_options={"include_usage": True})
         text, finish, tokens = [], None, 0
         async for chunk in stream:
