@@ -273,6 +273,8 @@ _BENCHMARKS = {
                                    "goodput, prefix-cache hits; JSON and PNG plots", entry="main"),
     "observability": _Benchmark("observability_overhead",
                                 "throughput with metrics, request logs and tracing on vs off"),
+    "structured-outputs": _Benchmark("structured_outputs", "step-time overhead of structured-output token masks "
+                                                           "(JSON schema, regex, choice) at batch 32"),
     "cluster": _Benchmark("cluster", "scheduler, gateways and mock workers as processes: tokens/s and CPU per "
                                      "component against workers and gateways; in-process placement latency",
                           entry="main"),

@@ -54,6 +54,21 @@ def test_bench_throughput_runs_all_peers(tiny_model_dir, tmp_path, capsys):
     assert "engine/peer" in capsys.readouterr().out
 
 
+def test_bench_structured_outputs_measures_every_arm(smollm2_dir, tmp_path):
+    out_file = tmp_path / "so.json"
+    main(["bench", "structured-outputs", "--model", str(smollm2_dir), "--batch", "4", "--max-tokens", "12",
+          "--rounds", "1", "--wait-idle", "0", "--json-min-items", "8", "--regex-min-chars", "40",
+          "--json-out", str(out_file)])
+    report = json.loads(out_file.read_text())
+    (setting,) = report["settings"]
+    (round_,) = setting["rounds"]
+    assert sorted(round_["runs"]) == ["choice", "json", "regex", "unconstrained"]
+    for arm, run in round_["runs"].items():
+        assert run["full_batch_steps"] > 0 and sum(run["output_tokens"]) > 0, arm
+        if arm != "unconstrained":  # the masks were filled and applied
+            assert round_["summary"][arm]["fill_p50"] > 0 and round_["summary"][arm]["apply_p50"] > 0
+
+
 @pytest.mark.service
 def test_bench_overhead_runs_both_sides(tiny_model_dir, tmp_path):
     from tests.stack import free_port
