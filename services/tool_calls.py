@@ -186,6 +186,10 @@ def parse_tool_request(body: dict, parser: str | None) -> ToolRequest | None:
     if choice == "none":
         return None
     if choice == "auto":
+        strict = next((t["function"]["name"] for t in tools if t["function"].get("strict")), None)
+        if strict is not None:  # auto leaves the output free: the arguments could not be guaranteed
+            raise ToolRequestError(f"tool '{strict}' is strict, which needs tool_choice 'required' or that named "
+                                   "function (they are enforced by the grammar; 'auto' is not)", "tools")
         if parser is None:
             raise ToolRequestError("tool_choice 'auto' needs the server started with --tool-call-parser "
                                    f"({' or '.join(TOOL_CALL_PARSERS)}); use 'required' or a named function",

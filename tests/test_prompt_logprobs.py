@@ -52,7 +52,12 @@ def test_prompt_logprobs_match_reference_across_chunks_and_cache_hits(llm, promp
 
 
 def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llm, prompt, tiny_ref):
+    metrics = llm.engine.metrics
+    prompt_tokens_before, generated_before = metrics.prompt_tokens, metrics.generation_tokens
     out = llm.generate([prompt, prompt[:9]], SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
+    # The counters say what the client saw: both prompts processed, nothing generated.
+    assert metrics.prompt_tokens - prompt_tokens_before == len(prompt) + 9
+    assert metrics.generation_tokens == generated_before
     for o, p in zip(out, [prompt, prompt[:9]]):
         assert o.outputs[0].token_ids == [] and o.outputs[0].finish_reason == "length"
         _check_against_reference(o.prompt_logprobs, p, _reference_prompt_logprobs(tiny_ref, p), 0)

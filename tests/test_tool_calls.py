@@ -73,10 +73,11 @@ def test_llama3_json_parser():
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}], "tool_choice": "auto"}, "tools"),
 ])
 def test_bad_tool_requests_name_the_field(body, param):
     with pytest.raises(ToolRequestError) as err:
-        parse_tool_request(body, None)
+        parse_tool_request(body, "hermes" if body.get("tool_choice") == "auto" else None)
     assert err.value.param == param
 
 

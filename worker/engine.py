@@ -299,9 +299,11 @@ class LLMEngine:
         first_latencies: list[float] = []
         token_gaps: list[float] = []
         num_first_prompt = num_generated = 0
-        for seq in prompt_only:
+        for seq in prompt_only:  # their one output, the prompt's logprobs, counts as the first token's
             touched[seq.request.request_id] = seq.request
             seq.request.metrics.first_token_time = now
+            first_latencies.append(now - seq.request.arrival_time)
+            num_first_prompt += len(seq.request.prompt_token_ids)
             self._end(seq, "length")
         for seq, tokens, logprobs in zip(sample_seqs, out.token_ids, out.logprobs):
             request = seq.request

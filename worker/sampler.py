@@ -1,8 +1,8 @@
 """Sampler: next tokens for a batch of logits rows, each row with its own SamplingParams.
 
-Order of processing, as in vLLM: allowed_token_ids, bad_words, min_tokens ban on stop tokens, logit_bias, repetition /
-presence / frequency penalties, then greedy argmax or temperature -> top-k -> top-p -> min-p ->
-a draw. Draws use the Gumbel-style trick argmax(p / q), q ~ Exp(1), so every row can have its
+Order of processing, as in vLLM: allowed_token_ids, bad_words, min_tokens ban on stop tokens,
+logit_bias, repetition / presence / frequency penalties, then greedy argmax or temperature -> top-k
+-> top-p -> min-p -> a draw. Draws use the Gumbel-style trick argmax(p / q), q ~ Exp(1), so every row can have its
 own torch.Generator: a seeded request draws the same noise whatever else is in the batch.
 Logprobs are those of the raw model distribution (before any processing), like vLLM's default.
 """
@@ -58,7 +58,8 @@ class Sampler:
         return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list))
 
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """A copy of logits with min_tokens, logit_bias and the penalties applied (row i for seqs[i])."""
+        """A copy of logits with allowed_token_ids, bad_words, min_tokens, logit_bias and the penalties
+        applied (row i for seqs[i])."""
         logits = logits.clone()
         self._apply_allowed_tokens(logits, seqs)
         self._apply_bad_words(logits, seqs)

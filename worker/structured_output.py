@@ -10,8 +10,9 @@ rolling it back: a draft the grammar forbids gets probability zero in the verifi
 never accepted. A preempted sequence keeps its matcher (its tokens do not change); a migrated one
 gets a fresh matcher that replays the output it resumes with.
 
-Thread-safety: compile() may be called from the worker's event loop (to refuse a bad grammar
-before queueing) and from the engine thread; xgrammar's compiler and its cache are thread-safe.
+Thread-safety: compile() runs where a request is added (the worker's event loop, so a bad grammar
+is refused before it is queued) and where n > 1 forks it (the engine thread); xgrammar's compiler
+and its cache are thread-safe.
 Costs: a compile is milliseconds for typical schemas and cached by content; a mask is
 microseconds per sequence (the C++ matcher releases the GIL, so it overlaps the forward), and its
 unpacking to a boolean mask runs there too; the engine thread only does one masked_fill.
@@ -30,8 +31,6 @@ from metroserve.common.structured_outputs import StructuredOutputsParams
 
 # xgrammar's messages start with "[time] source/file.cc:line: ".
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
@@ -71,7 +70,8 @@ class StructuredOutputs:
         """A fresh matcher that has accepted resume_token_ids (a migrated sequence's output so far)."""
         matcher = xgr.GrammarMatcher(self.compile(spec))
         for token in resume_token_ids:
-            assert matcher.accept_token(token), "resumed output was generated under the same grammar"
+            accepted = matcher.accept_token(token)
+            assert accepted, "resumed output was generated under the same grammar"
         return matcher
 
     def start_masks(self, rows: list[tuple[xgr.GrammarMatcher, list[int]]]) -> Future[torch.Tensor]:
