@@ -79,6 +79,8 @@ from typing import Any
 
 import numpy as np
 
+from metroserve.benchmarks.cpu_quota import CpuQuota, CpuQuotaError
+
 # The scheduler's CPU per 1,000 tokens when it relayed every token (issue 16), and the factor the
 # change must beat.
 BEFORE_SCHEDULER_CPU_S_PER_1K = 0.117
@@ -135,6 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--mock-num-blocks", type=int, default=8192, help="KV blocks per mock worker (default: 8192)")
     cluster.add_argument("--startup-timeout", type=float, default=300.0,
                          help="seconds for the cluster to be ready (default: 300)")
+    cluster.add_argument("--gateway-cpus", type=float, default=None,
+                         help="cap each gateway at this many cores (a cgroup CPU quota; needs root): makes the "
+                              "gateways the bottleneck, so G=2 / G=1 measures what a second gateway adds on a "
+                              "machine with too few cores to give each its own (default: no cap)")
     cluster.add_argument("--log-dir", type=Path, default=None,
                          help="keep the services' logs here (default: a temporary folder, removed)")
     placement = parser.add_argument_group("placement mode")
@@ -376,7 +382,8 @@ class Cluster:
     """A scheduler, gateways and mock workers, each `metroserve <component>` in its own process,
     authenticated with a fresh cluster secret passed in their environment. Not thread-safe."""
 
-    def __init__(self, model_dir: Path, vocab_size: int, args: argparse.Namespace, log_dir: Path):
+    def __init__(self, model_dir: Path, vocab_size: int, args: argparse.Namespace, log_dir: Path,
+                 gateway_cpus: float | None = None):
         from metroserve.rpc.auth import ENV_SECRET, generate_secret
 
         self.model_dir, self.vocab_size, self.args, self.log_dir = model_dir, vocab_size, args, log_dir
@@ -390,6 +397,8 @@ class Cluster:
         # Requests sent so far: a later run's prompts must not hit the prefix caches an earlier one filled.
         self.requests_sent = 0
         self.scheduler_starts = 0
+        self.gateway_cpus = gateway_cpus  # each gateway's CPU cap in cores (a cgroup quota); None: no cap
+        self.gateway_quotas: list[CpuQuota] = []
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         from metroserve.services.serve import die_with_parent
@@ -406,9 +415,13 @@ class Cluster:
         self.restart_scheduler()
         for i in range(num_gateways):
             port = free_port()
-            self.gateways.append((self._spawn(f"gateway-{i}", [
+            proc = self._spawn(f"gateway-{i}", [
                 "gateway", "--scheduler", self.scheduler_address, "--port", str(port), "--grpc-port", "0",
-                "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL]), port))
+                "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL])
+            self.gateways.append((proc, port))
+            if self.gateway_cpus:
+                self.gateway_quotas.append(CpuQuota(f"metroserve-bench-{os.getpid()}-gateway-{i}", self.gateway_cpus))
+                self.gateway_quotas[-1].add(proc.pid)
 
     def restart_scheduler(self) -> None:
         """Start the scheduler (again, after it died: on the same port, as `serve` would)."""
@@ -487,6 +500,8 @@ class Cluster:
         from metroserve.services.serve import stop_in_order
 
         stop_in_order([[p for p, _ in self.gateways], list(self.workers), [self.scheduler]], timeout_s=30)
+        for quota in self.gateway_quotas:
+            quota.remove()
 
 
 # -- one run ----------------------------------------------------------------------------------
@@ -600,6 +615,9 @@ def measure_run(cluster: Cluster, args: argparse.Namespace, workers: int, gatewa
         "cpu_s_per_1k_tokens": {k: v / tokens * 1000 if tokens else None for k, v in cpu.items()},
         "cpu_ms_per_request": {k: v / requests * 1000 if requests else None for k, v in cpu.items()},
         "cores": {k: v / window for k, v in cpu.items()},
+        # With --gateway-cpus: the gateways' cores over their caps' sum (near 1: the gateways were the bottleneck).
+        "gateway_cap_use": (cpu["gateways"] / window / (gateways * cluster.gateway_cpus)
+                            if cluster.gateway_cpus else None),
         # Seconds per second the kind's threads were runnable but had no core (summed): CPU starvation.
         "runqueue_wait": {k: v / window for k, v in waiting.items()},
         "other_cores": (after.busy - before.busy - ours) / window,
@@ -629,7 +647,7 @@ def run_cluster_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     model_dir, vocab = default_model_vocab(args.model)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="metroserve-bench-cluster-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(model_dir, vocab, args, log_dir)
+    cluster = Cluster(model_dir, vocab, args, log_dir, args.gateway_cpus)
     runs = []
     ok = False
     try:
@@ -800,10 +818,14 @@ def _latency_table(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _scaling_table(scaling: list[dict[str, Any]]) -> list[str]:
-    lines = ["| W | tok/s G=2 / G=1 | gateways' CPU s per 1k tokens streamed: G=1 / G=2 | "
-             "gateway-bound capacity G=2 / G=1 |", "|---|---|---|---|"]
+    lines = ["| W | cores per gateway | tok/s G=1 / G=2 | tok/s G=2 / G=1 | gateways' cap used G=1 / G=2 | "
+             "gateways' CPU s per 1k tokens streamed: G=1 / G=2 | estimate from CPU per token: G=2 / G=1 |",
+             "|---|---|---|---|---|---|---|"]
     for s in scaling:
-        lines.append(f"| {s['workers']} | {s['throughput_ratio']:.2f} | {s['per_gateway_s_per_1k'][0]:.4f} / "
+        cap = s["gateway_cpus"]
+        lines.append(f"| {s['workers']} | {_fmt(cap) if cap else 'no cap'} | {s['tokens_per_s'][0]:.0f} / "
+                     f"{s['tokens_per_s'][1]:.0f} | {s['throughput_ratio']:.2f} | {_fmt(s['cap_use'][0])} / "
+                     f"{_fmt(s['cap_use'][1])} | {s['per_gateway_s_per_1k'][0]:.4f} / "
                      f"{s['per_gateway_s_per_1k'][1]:.4f} | {s['capacity_ratio']:.2f} |")
     return lines
 
@@ -832,9 +854,10 @@ def format_tables(report: dict[str, Any]) -> str:
     return "\n\n".join("\n".join(lines) for lines in sections)
 
 
-def gateway_scaling(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """G=2 against G=1 at each W: delivered throughput, and what the gateways could carry with a core
-    each (cores / CPU per token: gateways share nothing, so that capacity is G / per-gateway cost)."""
+def gateway_scaling(runs: list[dict[str, Any]], gateway_cpus: float | None) -> list[dict[str, Any]]:
+    """G=2 against G=1 at each W: delivered throughput (with --gateway-cpus, each gateway capped: the
+    measured scaling), and the estimate from CPU per token (gateways share nothing, so with a core
+    each their capacity is G / per-gateway cost)."""
     out = []
     by_key = {(r["workers"], r["gateways"]): r for r in runs}
     for (workers, gateways), two in sorted(by_key.items()):
@@ -842,7 +865,10 @@ def gateway_scaling(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if gateways != 2 or one is None or not one["tokens"] or not two["tokens"]:
             continue
         per_gateway = (one["cpu_s_per_1k_tokens"]["gateways"], two["cpu_s_per_1k_tokens"]["gateways"])
-        out.append({"workers": workers, "throughput_ratio": two["tokens_per_s"] / one["tokens_per_s"],
+        out.append({"workers": workers, "gateway_cpus": gateway_cpus,
+                    "tokens_per_s": (one["tokens_per_s"], two["tokens_per_s"]),
+                    "throughput_ratio": two["tokens_per_s"] / one["tokens_per_s"],
+                    "cap_use": (one.get("gateway_cap_use"), two.get("gateway_cap_use")),
                     "per_gateway_s_per_1k": per_gateway, "capacity_ratio": 2 * per_gateway[0] / per_gateway[1]})
     return out
 
@@ -891,12 +917,20 @@ def main(args: argparse.Namespace) -> int:
                               "before_scheduler_cpu_s_per_1k_tokens": BEFORE_SCHEDULER_CPU_S_PER_1K}
     status = 0
     if args.mode in ("both", "cluster"):
+        if args.gateway_cpus is not None:
+            try:
+                if args.gateway_cpus <= 0:
+                    raise CpuQuotaError(f"--gateway-cpus must be positive, got {args.gateway_cpus:g}")
+                CpuQuota.check()
+            except CpuQuotaError as e:
+                log(f"error: {e}")
+                return 1
         try:
             report["runs"] = run_cluster_sweep(args)
         except RuntimeError as e:
             log(f"error: {e}")
             return 1
-        report["gateway_scaling"] = gateway_scaling(report["runs"])
+        report["gateway_scaling"] = gateway_scaling(report["runs"], args.gateway_cpus)
         status = int(any(r["failed"] for r in report["runs"]))
     if args.mode in ("both", "placement"):
         log(f"placement: {args.placement_workers} workers, {args.index_blocks:,} index blocks, "

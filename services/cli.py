@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -12,6 +11,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
+
+from metroserve.services.log_setup import setup_logging
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -33,16 +34,11 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]\n")
 
 
-def _setup_logging(component: str) -> None:
-    logging.basicConfig(level=os.environ.get("METROSERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s %(levelname)s {component}[%(process)d] %(name)s: %(message)s")
-
-
 def _run_async(main, component: str) -> None:
     """Run a service coroutine on uvloop until SIGTERM/SIGINT, which set its stop event."""
     import uvloop
 
-    _setup_logging(component)
+    setup_logging(component)
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -112,7 +108,7 @@ def _worker(args: argparse.Namespace) -> None:
     from metroserve.services.tracing import configure_tracing
     from metroserve.worker.service import WorkerOptions, WorkerService
 
-    _setup_logging("worker")
+    setup_logging("worker")
     configure_tracing("metroserve-worker", args.otlp_endpoint)
     options = WorkerOptions(scheduler=args.scheduler,
                             worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
@@ -156,7 +152,7 @@ def _serve(args: argparse.Namespace) -> None:
     from metroserve.worker.config import EngineConfig
     from metroserve.worker.model_files import resolve_model_dir, served_model_name
 
-    _setup_logging("serve")
+    setup_logging("serve")
     config = EngineConfig.from_cli_args(args)
     name = args.served_model_name or served_model_name(config.model)
     config.model = str(resolve_model_dir(config.model))  # convert a GGUF once, before the workers start

@@ -8,10 +8,12 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from metroserve.benchmarks.cluster import _DONE, SseTokenCounter, run_placement
+from metroserve.benchmarks.cpu_quota import CpuQuota, CpuQuotaError
 from tests.stack import ROOT
 
 RUN_FIELDS = ("tokens_per_s", "requests_per_s", "cpu_s", "cpu_s_per_1k_tokens", "cpu_ms_per_request", "runqueue_wait",
@@ -55,6 +57,47 @@ def test_tiny_sweep_through_the_cli_reports_every_component(tiny_model_dir, tmp_
     assert run["itl_ms"]["p99"] >= 10.0
     assert "| W | G | C | tok/s" in done.stdout
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def _quota_unavailable() -> str | None:
+    try:
+        CpuQuota.check()
+    except CpuQuotaError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.service
+@pytest.mark.skipif(_quota_unavailable() is not None, reason=f"no CPU quotas here: {_quota_unavailable()}")
+def test_capped_gateways_report_their_scaling_and_leave_no_cgroup(tiny_model_dir, tmp_path):
+    out = tmp_path / "cluster.json"
+    argv = [sys.executable, "-m", "metroserve.services.cli", "bench", "cluster", "--mode", "cluster",
+            "--workers", "2", "--gateways", "1,2", "--concurrency", "4", "--max-tokens", "8", "--prompt-len", "24",
+            "--mock-step-fixed-ms", "10", "--duration", "1.5", "--warmup", "0.5", "--model", str(tiny_model_dir),
+            "--gateway-cpus", "0.4", "--output", str(out)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["gateways"] for r in report["runs"]] == [1, 2]
+    for run in report["runs"]:
+        assert run["failed"] == 0 and run["tokens"] > 0, run["errors"]
+        # A gateway cannot use more than its cap (0.4 cores each; 5% for the window's edges).
+        assert 0 < run["gateway_cap_use"] <= 1.05
+    (scaling,) = report["gateway_scaling"]
+    assert scaling["gateway_cpus"] == 0.4 and scaling["workers"] == 2
+    assert scaling["throughput_ratio"] == pytest.approx(scaling["tokens_per_s"][1] / scaling["tokens_per_s"][0])
+    assert "cores per gateway" in done.stdout
+    leftovers = [p for root in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup"))
+                 for p in (root.glob("metroserve-bench-*") if root.is_dir() else [])]
+    assert leftovers == []
+
+
+def test_a_cap_that_is_not_positive_is_refused_by_name(tmp_path):
+    argv = [sys.executable, "-m", "metroserve.services.cli", "bench", "cluster", "--mode", "cluster",
+            "--gateway-cpus", "0", "--output", str(tmp_path / "x.json")]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "--gateway-cpus must be positive" in done.stderr
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_placement_mode_times_admission_on_the_core():

@@ -232,7 +232,8 @@ def test_serve_exports_one_trace_per_request_from_three_processes(tiny_model_dir
             assert len(request_traces) == 1, sink.spans
             trace_id = request_traces.pop()
             assert names_by_trace()[trace_id] >= expected
-            log = stack.log_tail(10**7)
-            assert f'"trace_id": "{trace_id}"' in log  # the request's log line names its trace
+            # The request's log line names its trace (log lines are flushed in blocks: poll).
+            wait_for(lambda: f'"trace_id": "{trace_id}"' in stack.log_tail(10**7), 10,
+                     "the request's log line naming its trace")
     finally:
         sink.close()
