@@ -1,9 +1,9 @@
 """How every service process writes its log: stderr, block-buffered, flushed at least every
 FLUSH_INTERVAL_S and at once for a warning or worse.
 
-Why not Python's default (a write per line): the scheduler writes one structured line per finished
-request, and a line-buffered stderr costs a system call for each; measured under `bench cluster`
-that and the handler's per-record flush were about a fifth of the scheduler's CPU per request.
+Why not Python's default (a write and a flush per line): the scheduler writes one structured line
+per finished request. Under `bench cluster` (8 mock workers, 64 streams) that line cost about 0.4 ms
+of the scheduler's 2.2 ms of CPU per request; writing in blocks took back about 0.3 ms of it.
 """
 
 from __future__ import annotations
