@@ -916,6 +916,9 @@ def main(args: argparse.Namespace) -> int:
                                            if not callable(v)},
                               "before_scheduler_cpu_s_per_1k_tokens": BEFORE_SCHEDULER_CPU_S_PER_1K}
     status = 0
+    if args.mode == "placement" and args.gateway_cpus is not None:
+        log("error: --gateway-cpus caps the gateways of --mode cluster; placement mode starts none")
+        return 1
     if args.mode in ("both", "cluster"):
         if args.gateway_cpus is not None:
             try:

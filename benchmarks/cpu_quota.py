@@ -28,19 +28,17 @@ class CpuQuota:
     """One cgroup named `name` capped at `cores` (a fraction or a multiple of one core). Not thread-safe."""
 
     def __init__(self, name: str, cores: float, period_us: int = 20_000):
-        if cores <= 0:
-            raise ValueError(f"cores must be positive, got {cores}")
+        assert cores > 0, cores  # the caller validates it (bench cluster's --gateway-cpus)
         self.check()
-        self.cores, self.period_us = cores, period_us
-        self.quota_us = max(1000, round(cores * period_us))
-        self.v1 = (V1_CPU / "cpu.cfs_quota_us").exists()
-        self.path = (V1_CPU if self.v1 else CGROUP_ROOT) / name
+        quota_us = max(1000, round(cores * period_us))
+        v1 = (V1_CPU / "cpu.cfs_quota_us").exists()
+        self.path = (V1_CPU if v1 else CGROUP_ROOT) / name
         self.path.mkdir(exist_ok=True)
-        if self.v1:
+        if v1:
             (self.path / "cpu.cfs_period_us").write_text(str(period_us))
-            (self.path / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota_us))
         else:
-            (self.path / "cpu.max").write_text(f"{self.quota_us} {period_us}")
+            (self.path / "cpu.max").write_text(f"{quota_us} {period_us}")
 
     @staticmethod
     def check() -> None:

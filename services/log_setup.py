@@ -43,7 +43,10 @@ class BufferedStderrHandler(logging.StreamHandler):
 
 
 def setup_logging(component: str) -> None:
-    """Root logger at METROSERVE_LOG_LEVEL (default INFO), lines prefixed with the component and pid."""
+    """Root logger at METROSERVE_LOG_LEVEL (default INFO), lines prefixed with the component and pid.
+    Like logging.basicConfig, it does nothing when the root logger has a handler already."""
+    if logging.getLogger().handlers:
+        return
     handler = BufferedStderrHandler()
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {component}[%(process)d] %(name)s: %(message)s"))
     logging.basicConfig(level=os.environ.get("METROSERVE_LOG_LEVEL", "INFO"), handlers=[handler])

@@ -92,11 +92,13 @@ def test_capped_gateways_report_their_scaling_and_leave_no_cgroup(tiny_model_dir
     assert leftovers == []
 
 
-def test_a_cap_that_is_not_positive_is_refused_by_name(tmp_path):
-    argv = [sys.executable, "-m", "metroserve.services.cli", "bench", "cluster", "--mode", "cluster",
-            "--gateway-cpus", "0", "--output", str(tmp_path / "x.json")]
+@pytest.mark.parametrize(("mode", "cap", "message"), [("cluster", "0", "--gateway-cpus must be positive"),
+                                                      ("placement", "0.5", "--gateway-cpus caps the gateways")])
+def test_a_cap_it_cannot_apply_is_refused_by_name(tmp_path, mode, cap, message):
+    argv = [sys.executable, "-m", "metroserve.services.cli", "bench", "cluster", "--mode", mode,
+            "--gateway-cpus", cap, "--output", str(tmp_path / "x.json")]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "--gateway-cpus must be positive" in done.stderr
+    assert done.returncode == 1 and message in done.stderr
     assert not (tmp_path / "x.json").exists()
 
 
