@@ -40,6 +40,12 @@ def window_nll(logits: np.ndarray, window: list[int]) -> list[float]:
     return (log_norm - rows[np.arange(len(targets)), targets]).tolist()
 
 
+def window_top1(logits: np.ndarray, window: list[int]) -> list[int]:
+    """The argmax after each prefix whose next token window_nll scores."""
+    first = len(window) // 2
+    return logits[first - 1 : len(window) - 1].argmax(axis=1).tolist()
+
+
 def llama_job(job: dict) -> dict:
     """What runs in llama-cpp-python's venv: quantize a file, or score windows."""
     import llama_cpp
@@ -51,13 +57,15 @@ def llama_job(job: dict) -> dict:
         rc = llama_cpp.llama_model_quantize(job["src"].encode(), job["dst"].encode(), params)
         return {"rc": rc}
     llm = llama_cpp.Llama(job["model"], n_ctx=job["n_ctx"], logits_all=True, n_threads=job["threads"], verbose=False)
-    nll = []
+    nll, top1 = [], []
     for i, window in enumerate(job["windows"]):
         llm.reset()  # a fresh context for every window
         llm.eval(window)
-        nll += window_nll(np.asarray(llm.scores[: len(window)]), window)
+        scores = np.asarray(llm.scores[: len(window)])
+        nll += window_nll(scores, window)
+        top1 += window_top1(scores, window)
         print(f"    llama.cpp window {i + 1}/{len(job['windows'])}", file=sys.stderr, flush=True)
-    return {"nll": nll, "version": llama_cpp.__version__}
+    return {"nll": nll, "top1": top1, "version": llama_cpp.__version__}
 
 
 def run_llama(python: str, job: dict) -> dict:
@@ -90,19 +98,21 @@ def held_out_ids(files: list[str], n_tokens: int, tokenizer: Any) -> tuple[list[
     raise SystemExit(f"only {len(ids)} tokens in {files}; need {n_tokens}")
 
 
-def metroserve_nll(path: Path, quantization: str | None, windows: list[list[int]]) -> list[float]:
-    """Score the windows with metroserve's model forward (one prefill of each window)."""
+def metroserve_nll(path: Path, quantization: str | None, windows: list[list[int]],
+                   quantized_activations: str = "float32") -> tuple[list[float], list[int]]:
+    """Score the windows with metroserve's model forward (one prefill of each window): NLL and argmax."""
     import torch
 
     from metroserve import LLM
     from metroserve.worker.attention import BatchLayout, TorchAttention, block_tables_to_slots
     from metroserve.worker.kv_cache import KVCache
 
-    model = LLM(str(path), quantization=quantization, kv_cache_memory="64MiB").engine.model
+    model = LLM(str(path), quantization=quantization, quantized_activations=quantized_activations,
+                kv_cache_memory="64MiB").engine.model
     cfg, n, cpu = model.cfg, len(windows[0]), torch.device("cpu")
     blocks = list(range(-(-n // 16)))
     positions = np.arange(n)
-    nll = []
+    nll, top1 = [], []
     for window in windows:
         attention = TorchAttention(16)
         cache = KVCache(cfg.num_layers, len(blocks), 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
@@ -111,8 +121,10 @@ def metroserve_nll(path: Path, quantization: str | None, windows: list[list[int]
         with torch.inference_mode():
             hidden = model(torch.tensor(window), torch.from_numpy(positions), attention, cache,
                            model.prepare_attention(attention, layout))
-            nll += window_nll(model.compute_logits(hidden).numpy(), window)
-    return nll
+            logits = model.compute_logits(hidden).numpy()
+        nll += window_nll(logits, window)
+        top1 += window_top1(logits, window)
+    return nll, top1
 
 
 def ppl(nll: list[float]) -> float:
@@ -154,9 +166,12 @@ def main() -> None:
     import torch
 
     from metroserve import LLM
+    from metroserve.worker.cpu_kernels import load_cpu_kernels
     from metroserve.worker.model_files import default_model_path
 
     files = make_files(args, default_model_path())
+    kernels = load_cpu_kernels()
+    int8_inputs = kernels is not None and bool(kernels.int8_gemm_available())
     ids, sources = held_out_ids(args.text, args.tokens, LLM(None, kv_cache_memory="64MiB").get_tokenizer())
     windows = [ids[i : i + args.n_ctx] for i in range(0, len(ids) - args.n_ctx + 1, args.n_ctx)]
     print(f"{len(ids)} tokens from {[s['path'] for s in sources]}: {len(windows)} windows of {args.n_ctx}")
@@ -169,12 +184,23 @@ def main() -> None:
         llama_version = llama["version"]
         row: dict[str, Any] = {"type": name, "file": str(path), "tensor_types": types,
                                "llama_cpp_ppl": ppl(llama["nll"])}
-        for label, quantization in (("metroserve_ppl", None), ("metroserve_float32_ppl", "none")):
-            print(f"  metroserve quantization={quantization}", flush=True)
-            row[label] = ppl(metroserve_nll(path, quantization, windows))
+        # The float32 row is the dequantized model (transformers' up to the order of sums): every
+        # row's top-1 agreement is with its argmaxes.
+        runs = {"float32": ("none", "float32"), "": (None, "float32")}
+        if int8_inputs:
+            runs["int8_inputs"] = (None, "int8")
+        top1 = {"llama_cpp": llama["top1"]}
+        for label, (quantization, activations) in runs.items():
+            print(f"  metroserve quantization={quantization} activations={activations}", flush=True)
+            nll, top1[label] = metroserve_nll(path, quantization, windows, activations)
+            row[f"metroserve_{label}_ppl".replace("__", "_")] = ppl(nll)
+        for label, argmax in top1.items():
+            same = sum(a == b for a, b in zip(argmax, top1["float32"]))
+            row[f"{label or 'metroserve'}_top1_agreement".replace("int8", "metroserve_int8")] = same / len(argmax)
         row["ratio_pct"] = 100 * (row["metroserve_ppl"] / row["llama_cpp_ppl"] - 1)
-        print(f"  llama.cpp {row['llama_cpp_ppl']:.4f}  metroserve {row['metroserve_ppl']:.4f}  "
-              f"float32 {row['metroserve_float32_ppl']:.4f}  ({row['ratio_pct']:+.3f}%)", flush=True)
+        if int8_inputs:
+            row["int8_inputs_ratio_pct"] = 100 * (row["metroserve_int8_inputs_ppl"] / row["llama_cpp_ppl"] - 1)
+        print(f"  {row}", flush=True)
         rows.append(row)
     cpu = next(line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
@@ -183,12 +209,17 @@ def main() -> None:
               "scored_tokens": sum(len(w) - len(w) // 2 for w in windows), "text_sources": sources, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print("\n| type | file tensor types | llama.cpp ppl | metroserve ppl | metroserve float32 ppl | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("\n| type | file tensor types | llama.cpp ppl | metroserve ppl | metroserve float32 ppl | ratio "
+          "| metroserve int8 inputs ppl | ratio | top-1 agreement with float32: llama.cpp / metroserve / int8 inputs |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mix = ", ".join(f"{k} x{v}" for k, v in r["tensor_types"].items())
+        int8 = (f"{r['metroserve_int8_inputs_ppl']:.4f} | {r['int8_inputs_ratio_pct']:+.3f}%"
+                if "int8_inputs_ratio_pct" in r else "- | -")
         print(f"| {r['type']} | {mix} | {r['llama_cpp_ppl']:.4f} | {r['metroserve_ppl']:.4f} | "
-              f"{r['metroserve_float32_ppl']:.4f} | {r['ratio_pct']:+.3f}% |")
+              f"{r['metroserve_float32_ppl']:.4f} | {r['ratio_pct']:+.3f}% | {int8} | "
+              f"{r['llama_cpp_top1_agreement']:.3f} / {r['metroserve_top1_agreement']:.3f} / "
+              f"{r.get('metroserve_int8_inputs_top1_agreement', float('nan')):.3f} |")
     print(f"\nwritten {args.out}")
 
 

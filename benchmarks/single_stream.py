@@ -6,7 +6,9 @@ template applied by the engine's tokenizer), decodes greedily for --max-tokens t
 prefill is not in it (TTFT is reported apart). Peers, each in a fresh process, run one after the
 other on the same threads:
 - engine: metroserve as a user starts it on the file (its default --quantization: the GGUF's own
-  quantized matrices served quantized);
+  quantized matrices served quantized, multiplied by exact float32 activations);
+- engine-int8-inputs: the same with --quantized-activations int8 (activations rounded to int8 and
+  multiplied in integers, as llama.cpp does; only where the CPU has VNNI);
 - engine-fp32: the same with --quantization none (every weight dequantized to float32: the engine
   before quantized serving);
 - llama.cpp: llama-cpp-python from its own virtual environment (--llama-cpp-python: that venv's
@@ -64,12 +66,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _engine_peer(model: str | None, quantization: str | None, prompt: list[int], max_tokens: int, repeats: int,
+def _engine_peer(model: str | None, options: dict[str, str], prompt: list[int], max_tokens: int, repeats: int,
                  conn) -> None:
     from metroserve import LLM, SamplingParams
 
     before = _rss_bytes()
-    llm = LLM(model, quantization=quantization, kv_cache_memory="256MiB", max_num_seqs=8)
+    llm = LLM(model, kv_cache_memory="256MiB", max_num_seqs=8, **options)
     rss = _rss_bytes() - before
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine = llm.engine
@@ -88,15 +90,16 @@ def _engine_peer(model: str | None, quantization: str | None, prompt: list[int],
     conn.send({"runs": runs[1:], "weights_bytes": engine.model.resident_bytes(), "rss_bytes": rss})
 
 
-def _run_engine(model: str | None, quantization: str | None, prompt: list[int], max_tokens: int,
+def _run_engine(model: str | None, options: dict[str, str], prompt: list[int], max_tokens: int,
                 repeats: int) -> dict[str, Any]:
+    """A fresh process running the engine with these EngineConfig options."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine_peer, args=(model, quantization, prompt, max_tokens, repeats, child))
+    proc = ctx.Process(target=_engine_peer, args=(model, options, prompt, max_tokens, repeats, child))
     proc.start()
     while not parent.poll(1):
         if not proc.is_alive():
-            raise RuntimeError(f"the engine peer (quantization {quantization}) exited with {proc.exitcode}")
+            raise RuntimeError(f"the engine peer ({options}) exited with {proc.exitcode}")
     result = parent.recv()
     proc.join()
     return result
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from metroserve.common.tokenizer import load_tokenizer
+    from metroserve.worker.cpu_kernels import load_cpu_kernels
     from metroserve.worker.model_files import default_model_path, resolve_model_dir
 
     model_path = Path(args.model) if args.model else default_model_path()
@@ -147,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tokenizer.encode(text, add_special_tokens=False)
     threads = torch.get_num_threads()
     peers: dict[str, dict[str, Any]] = {}
-    peers["engine"] = _summary(_run_engine(args.model, None, prompt, args.max_tokens, args.repeats))
-    peers["engine-fp32"] = _summary(_run_engine(args.model, "none", prompt, args.max_tokens, args.repeats))
+    engines: list[tuple[str, dict[str, str]]] = [("engine", {}), ("engine-fp32", {"quantization": "none"})]
+    kernels = load_cpu_kernels()
+    if kernels is not None and kernels.int8_gemm_available():
+        engines.insert(1, ("engine-int8-inputs", {"quantized_activations": "int8"}))
+    for name, options in engines:
+        peers[name] = _summary(_run_engine(args.model, options, prompt, args.max_tokens, args.repeats))
     if args.llama_cpp_python:
         peers["llama.cpp"] = _summary(_run_llama_cpp(args.llama_cpp_python, model_path, threads, prompt,
                                                      args.max_tokens, args.repeats, args.llama_cpp_n_batch))

@@ -49,7 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from metroserve import LLM, SamplingParams
 from metroserve.benchmarks.workload import build_chat_workload
-from metroserve.worker.config import QUANTIZATION_CHOICES, EngineConfig
+from metroserve.worker.config import QUANTIZATION_CHOICES, QUANTIZED_ACTIVATIONS_CHOICES, EngineConfig
 from metroserve.worker.model_files import resolve_model_dir
 
 PEERS = ("engine", "hf-static", "hf-cb", "vllm")
@@ -146,12 +146,13 @@ def load_hf_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> 
 
 def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
                eos_ids: list[int], device: torch.device, dtype: torch.dtype,
-               speculative_config: str | None = None, quantization: str | None = None) -> PeerResult:
+               speculative_config: str | None = None, quantization: str | None = None,
+               quantized_activations: str = "float32") -> PeerResult:
     """metroserve's LLM.generate over all prompts at once; reports KV efficiency, prefix-cache hits and,
     with speculative decoding, its draft counters."""
     dtype_name = next(name for name, d in _DTYPES.items() if d == dtype)
     llm = LLM(model=model, device=device.type, dtype=dtype_name, speculative_config=speculative_config,
-              quantization=quantization)
+              quantization=quantization, quantized_activations=quantized_activations)
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     before = llm.engine.stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -323,7 +324,7 @@ def _run_peer(peer: str, args: argparse.Namespace, model_dir: Path, prompts: lis
     """One peer's run, in its own process."""
     if peer == "engine":
         return run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
-                          args.speculative_config, args.quantization)
+                          args.speculative_config, args.quantization, args.quantized_activations)
     if peer == "hf-static":
         return run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.hf_batch_size,
                              device, dtype)
@@ -369,6 +370,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                         help="the engine peer's --quantization (default: the checkpoint's own, e.g. a GGUF's "
                              "Q4_1 matrices served quantized; the transformers peers run the dequantized weights)")
+    parser.add_argument("--quantized-activations", default="float32", choices=QUANTIZED_ACTIVATIONS_CHOICES,
+                        help="the engine peer's --quantized-activations (int8: VNNI integer products, opt-in)")
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -436,7 +439,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = results.get("engine")
     report: dict[str, Any] = {
         "model_dir": str(model_dir), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "quantization": args.quantization,
+        "quantization": args.quantization, "quantized_activations": args.quantized_activations,
         "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
         "max_tokens": args.max_tokens, "seed": args.seed, "prompt_tokens": sum(map(len, prompts)),
         "prompt_len_min": min(map(len, prompts)), "prompt_len_max": max(map(len, prompts)), "peers": {},

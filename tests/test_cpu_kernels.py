@@ -14,7 +14,7 @@ from torch.utils.cpp_extension import get_cxx_compiler
 
 from metroserve.worker.attention import TorchAttention
 from metroserve.worker.attention.cpu import CpuAttention
-from metroserve.worker.cpu_kernels import CFLAGS, CSRC, kernel_build, load_cpu_kernels, load_or_build
+from metroserve.worker.cpu_kernels import CFLAGS, CSRC, cpu_flags, kernel_build, load_cpu_kernels, load_or_build
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model import apply_rope
 from tests.test_attention import SCALES_AND_CAPS, WINDOWS, random_layout, windowed_case
@@ -104,19 +104,28 @@ def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
 # (tests/test_quant_linear.py tests the latter), built once per machine and source change (about a
 # minute each on 2 cores) into the kernel cache.
 ISA_MARCH = {"avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
-ISA_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "quant_linear.cpp", "bindings.cpp")
+# The int8-activation GEMM's 8-lane path (AVX-VNNI on an AVX2 machine; tests/test_quant_linear.py):
+# the builds above have no VNNI, this machine's may have the 16-lane one. Runs where the CPU has it.
+VNNI_ISA_MARCH = {"avx2-vnni": "-march=x86-64-v3 -mavxvnni"}
+ISA_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "quant_linear.cpp", "quant_linear_int8.cpp",
+               "bindings.cpp")
 
 
 def build_for_instruction_set(isa: str) -> ModuleType:
-    """The kernels built for `isa` (a key of ISA_MARCH); skips where this machine cannot build them."""
+    """The kernels built for `isa` (a key of ISA_MARCH or VNNI_ISA_MARCH); skips where this machine
+    cannot build or run them."""
     if platform.machine() != "x86_64" or load_cpu_kernels() is None:
         pytest.skip("the instruction-set builds are x86-64 builds of the CPU kernels")
-    cflags = tuple(ISA_MARCH[isa] if f == "-march=native" else f for f in CFLAGS)
+    if isa in VNNI_ISA_MARCH and "avx_vnni" not in cpu_flags():
+        pytest.skip(f"this CPU cannot run the {isa} build (no AVX-VNNI)")
+    march = {**ISA_MARCH, **VNNI_ISA_MARCH}[isa]
+    cflags = tuple(flag for f in CFLAGS for flag in (march.split() if f == "-march=native" else [f]))
     build = kernel_build(tuple(CSRC / name for name in ISA_SOURCES), (*cflags, "-DMETROSERVE_ISA_TEST_BUILD"),
-                         name=f"metroserve_isa_{isa}")
+                         name=f"metroserve_isa_{isa.replace('-', '_')}")
     defines = subprocess.run([get_cxx_compiler(), *cflags, "-dM", "-E", "-x", "c++", "/dev/null"],
                              capture_output=True, text=True, check=True).stdout
-    assert ("__AVX512F__" in defines, "__AVX2__" in defines) == (False, isa == "avx2")
+    assert ("__AVX512F__" in defines, "__AVX2__" in defines) == (False, isa.startswith("avx2"))
+    assert ("__AVXVNNI__" in defines) == (isa in VNNI_ISA_MARCH)
     module = load_or_build(build).module
     assert not hasattr(module, "rms_norm")  # this build, not the engine's module of the same functions
     return module

@@ -1,6 +1,8 @@
-"""The GEMM over GGUF-quantized weights (worker/csrc/quant_linear.cpp) against x @ dequant(W)^T in float64,
-W dequantized by gguf's numpy reference, for each block format and each instruction-set build (this
-machine's, and tests/test_cpu_kernels.py's AVX2 and portable builds)."""
+"""The GEMMs over GGUF-quantized weights against x @ dequant(W)^T in float64, W dequantized by gguf's
+numpy reference, for each block format and each instruction-set build (this machine's, and
+tests/test_cpu_kernels.py's AVX2, AVX-VNNI and portable builds): quant_linear
+(worker/csrc/quant_linear.cpp) with x as it is, quant_linear_int8 (quant_linear_int8.cpp, the
+builds with VNNI) with x rounded as quantize_activations rounds it."""
 
 import functools
 
@@ -13,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.model_files import ModelLoadError, default_model_path
-from tests.test_cpu_kernels import ISA_MARCH, build_for_instruction_set
+from tests.test_cpu_kernels import ISA_MARCH, VNNI_ISA_MARCH, build_for_instruction_set
 
 Q = GGMLQuantizationType
 # One block; SmolLM2's hidden and intermediate sizes. The super-block formats need multiples of 256.
@@ -24,7 +26,7 @@ N = 203  # output columns: no whole number of strips (16 or 8 wide) nor of 4-str
 WIDEST_STRIP = 16
 
 
-@pytest.fixture(scope="module", params=["native", *sorted(ISA_MARCH)])
+@pytest.fixture(scope="module", params=["native", *sorted(ISA_MARCH), *sorted(VNNI_ISA_MARCH)])
 def kernels(request):
     if request.param != "native":
         return build_for_instruction_set(request.param)
@@ -78,6 +80,55 @@ def test_quant_linear_matches_dequantized_reference(kernels, qtype, k, rows):
     assert_matches(kernels.quant_linear(x, packed, int(qtype), N), x, deq)
 
 
+@pytest.fixture
+def int8_kernels(kernels):
+    if not kernels.int8_gemm_available():
+        pytest.skip("this build has no VNNI: no int8-activation GEMM")
+    return kernels
+
+
+def rounded(kernels, x: torch.Tensor) -> torch.Tensor:
+    """x as quant_linear_int8 multiplies it: quantize_activations' q times its per-32 scale d."""
+    q, d = kernels.quantize_activations(x.contiguous())
+    return q.float() * d.repeat_interleave(32, dim=1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 300])  # every tile height of both widths, prefill
+@pytest.mark.parametrize("qtype, k", SHAPES, ids=[f"{t.name}-{k}" for t, k in SHAPES])
+def test_int8_quant_linear_matches_rounded_reference(int8_kernels, qtype, k, rows):
+    raw, deq = quantized(qtype, k)
+    packed = int8_kernels.pack_quant_weight_int8(torch.from_numpy(raw), int(qtype), k)
+    size = raw.size * PACKED_OVER_RAW.get(qtype, 1) * (N + WIDEST_STRIP) / N
+    assert packed.dtype == torch.uint8 and packed.numel() <= size
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    assert_matches(int8_kernels.quant_linear_int8(x, packed, int(qtype), N), rounded(int8_kernels, x), deq)
+
+
+def test_quantize_activations_rounds_each_32_inputs_to_int8(kernels):
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 96)
+    x[2, 32:64] = 0  # an all-zero block: scale 0, quants 0
+    q, d = kernels.quantize_activations(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape and d.shape == (7, 3)
+    blocks = x.view(7, 3, 32)
+    amax = blocks.abs().amax(-1)
+    torch.testing.assert_close(d, amax / 127, rtol=2**-23, atol=0)
+    scaled = blocks * torch.where(amax > 0, 127 / amax, 0)[..., None]
+    # round to nearest; a value within float rounding of .5 may go either way
+    off = (q.view(7, 3, 32).float() - scaled).abs()
+    assert (off <= 0.5 + 1e-4).all() and q.abs().max() <= 127
+    assert (q.view(7, 3, 32).abs().amax(-1)[amax > 0] == 127).all() and (q[2, 32:64] == 0).all()
+
+
+def test_without_vnni_the_int8_gemm_is_refused(kernels):
+    if kernels.int8_gemm_available():
+        pytest.skip("this build has VNNI")
+    raw, _ = quantized(Q.Q4_1, 576)
+    with pytest.raises(RuntimeError, match="no VNNI"):
+        kernels.pack_quant_weight_int8(torch.from_numpy(raw), int(Q.Q4_1), 576)
+    with pytest.raises(RuntimeError, match="no VNNI"):
+        kernels.quant_linear_int8(torch.randn(1, 576), torch.zeros(1, dtype=torch.uint8), int(Q.Q4_1), N)
+
+
 def test_quant_linear_strided_rows_and_refusals(kernels):
     qtype, k = Q.Q4_1, 576
     raw, deq = quantized(qtype, k)
@@ -114,3 +165,7 @@ def test_quant_linear_on_default_model_tensor(kernels, default_gguf, name, rows)
     packed = kernels.pack_quant_weight(torch.from_numpy(raw), int(tensor.tensor_type), k)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(0))
     assert_matches(kernels.quant_linear(x, packed, int(tensor.tensor_type), raw.shape[0]), x, deq)
+    if kernels.int8_gemm_available():
+        packed = kernels.pack_quant_weight_int8(torch.from_numpy(raw), int(tensor.tensor_type), k)
+        y = kernels.quant_linear_int8(x, packed, int(tensor.tensor_type), raw.shape[0])
+        assert_matches(y, rounded(kernels, x), deq)

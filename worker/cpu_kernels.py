@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 NAME = "metroserve_cpu_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
-                                         "layer_ops.cpp", "packed_linear.cpp", "quant_linear.cpp", "bindings.cpp"))
+                                         "layer_ops.cpp", "packed_linear.cpp", "quant_linear.cpp",
+                                         "quant_linear_int8.cpp", "bindings.cpp"))
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILDING = "building CPU kernels (about 2 minutes, once per checkout and machine)..."

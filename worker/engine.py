@@ -72,7 +72,8 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = load_model(self.model_dir, self.dtype, self.device, config.quantization, matmul_dtype)
+        self.model = load_model(self.model_dir, self.dtype, self.device, config.quantization, matmul_dtype,
+                                config.quantized_activations)
         self.tokenizer = load_tokenizer(self.model_dir)
         mcfg = self.model.cfg
         self.model_config = mcfg

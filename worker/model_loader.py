@@ -15,6 +15,7 @@ from metroserve.worker.model_files import ModelLoadError
 from metroserve.worker.quantization import (
     KERNEL_TYPES,
     QUANTIZED_FILE,
+    int8_activations,
     make_weight,
     quantize_q8_0,
     read_gguf_blocks,
@@ -24,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
-               matmul_dtype: torch.dtype | None = None) -> DecoderForCausalLM:
+               matmul_dtype: torch.dtype | None = None, quantized_activations: str = "float32") -> DecoderForCausalLM:
     """The decoder for the directory's config with its safetensors weights, showing a progress bar
-    over tensors; projections quantized as `quantization` says (worker/quantization.py), or with
+    over tensors; projections quantized as `quantization` says, taking inputs as
+    `quantized_activations` says (worker/quantization.py), or with
     matmul_dtype bfloat16 (CPU, float32 dtype) kept and multiplied in bfloat16 (pack_cpu_weights)."""
     try:
         cfg = ModelConfig.from_dir(model_dir)
@@ -62,14 +64,19 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quanti
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
     kernels = load_cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+    served = 0
     if matmul_dtype is None:
-        _quantize(model, model_dir, quantization, kernels)
+        served = _quantize(model, model_dir, quantization, kernels, quantized_activations)
     elif quantization not in (None, "none"):
         raise ModelLoadError(f"--quantization {quantization}: quantized weights need float32 on CPU "
                              "(their kernel multiplies in float32), not --dtype bfloat16")
     elif (model_dir / QUANTIZED_FILE).is_file():
         logger.info("%s: --dtype bfloat16: the GGUF's quantized matrices are served dequantized, in bfloat16",
                     model_dir.name)
+    if quantized_activations == "int8" and not served:
+        raise ModelLoadError("--quantized-activations int8 applies to projections served quantized, and this "
+                             "model serves none (a float checkpoint, --quantization none, --dtype bfloat16 or not "
+                             "on CPU); --quantization int8 quantizes any model")
     model.pack_cpu_weights(matmul_dtype)
     if kernels is not None:
         model.use_cpu_kernels(kernels)
@@ -77,13 +84,15 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quanti
     return model.eval()
 
 
-def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | None, kernels) -> None:
-    """Serve the projections quantized that `quantization` asks for, when the kernels can."""
+def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | None, kernels,
+              quantized_activations: str) -> int:
+    """Serve the projections quantized that `quantization` asks for, when the kernels can; returns
+    how many are."""
     if quantization == "none":
-        return
+        return 0
     blocks, types = ({}, {}) if quantization == "int8" else read_gguf_blocks(model_dir)
     if quantization is None and not blocks:
-        return  # an unquantized checkpoint, served as it is
+        return 0  # an unquantized checkpoint, served as it is
     if quantization == "gguf" and not blocks:
         raise ModelLoadError(f"{model_dir}: --quantization gguf needs a GGUF model with quantized matrices")
     if kernels is None or not hasattr(kernels, "quant_linear"):
@@ -91,7 +100,11 @@ def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | No
         if quantization is not None:
             raise ModelLoadError(f"--quantization {quantization}: {message}")
         logger.warning("%s: %s; serving the dequantized float weights", model_dir.name, message)
-        return
+        return 0
+    try:
+        int8 = int8_activations(quantized_activations, kernels)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     served: dict[str, int] = {}
     for name, ways in tqdm(model.projection_sources().items(), desc="Quantizing" if quantization == "int8"
                            else "Packing quantized weights", unit="projection", leave=False):
@@ -104,6 +117,8 @@ def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | No
             shards = [(blocks[t], types[t]) for t in found]
         for _, kind in shards:
             served[kind] = served.get(kind, 0) + 1
-        model.set_quantized(name, make_weight(shards, kernels))
-    logger.info("%s: projections served quantized: %s", model_dir.name,
-                ", ".join(f"{n} in {kind}" for kind, n in sorted(served.items())) or "none")
+        model.set_quantized(name, make_weight(shards, kernels, int8))
+    logger.info("%s: projections served quantized: %s; %s inputs", model_dir.name,
+                ", ".join(f"{n} in {kind}" for kind, n in sorted(served.items())) or "none",
+                "int8 (VNNI)" if int8 else "float32")
+    return sum(served.values())

@@ -1,9 +1,19 @@
 """Projections served from quantized weights: a GGUF's own GGML blocks, or int8 made at load.
 
-A quantized projection multiplies through the compiled CPU kernel `quant_linear`
-(csrc/quant_linear.cpp), which dequantizes each GGML block in registers inside the matmul, so a
-decode step reads the quantized bytes (Q4_1: 0.625 bytes per weight) instead of float32 (4 bytes).
-The float32 copy of such a weight is dropped after loading.
+A quantized projection multiplies through a compiled CPU kernel that reads each GGML block inside
+the matmul, so a decode step reads the quantized bytes (Q4_1: 0.625 bytes per weight) instead of
+float32 (4 bytes). The float32 copy of such a weight is dropped after loading. Its input, by
+`--quantized-activations`:
+- "float32" (default; `quant_linear`, csrc/quant_linear.cpp): exact inputs; each block is widened
+  to float in registers and multiplied with FMAs. Greedy output equals the dequantized model's up
+  to the order of the sums, so every invariant of the engine holds.
+- "int8" (`quant_linear_int8`, csrc/quant_linear_int8.cpp; CPUs with VNNI): each row rounded to
+  int8 per 32 inputs (one float scale each) and multiplied by the quants in integers, as
+  llama.cpp does: 4x the multiply-adds an instruction and no widening of the weights, so prefill
+  runs well above float32 GEMMs. Opt-in because the rounding changes greedy output (top-1
+  agreement with the dequantized model 97%, as llama.cpp's, in benchmarks/README.md) and amplifies
+  float-order differences, so greedy output may depend on batch composition and chunking (as in
+  llama.cpp). Decided as --dtype bfloat16 was: the default is the fastest exact choice.
 
 Which weights are quantized (`--quantization`, vLLM's flag):
 - None (default): a checkpoint's own quantization. A GGUF's matrices in Q4_0, Q4_1, Q8_0, Q4_K or
@@ -41,10 +51,15 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 @dataclass
 class QuantPart:
-    packed: torch.Tensor  # the kernel's layout of the part's rows (pack_quant_weight)
+    packed: torch.Tensor  # the kernel's layout of the part's rows (pack_quant_weight or its _int8 twin)
     qtype: int  # GGML type id
     rows: int  # output features of this part
     nbytes: int  # of the raw GGML blocks: what a step reads
+    int8_activations: bool  # multiplied by quant_linear_int8 (else quant_linear)
+
+    def __call__(self, kernels: object, x: torch.Tensor) -> torch.Tensor:
+        gemm = kernels.quant_linear_int8 if self.int8_activations else kernels.quant_linear  # type: ignore[attr-defined]
+        return gemm(x, self.packed, self.qtype, self.rows)
 
 
 @dataclass
@@ -66,13 +81,11 @@ class QuantizedWeight:
         """x [M, in_features] float32 -> [M, out_features] float32."""
         x = x.contiguous()
         if len(self.parts) == 1:
-            part = self.parts[0]
-            return self.kernels.quant_linear(x, part.packed, part.qtype, part.rows)  # type: ignore[attr-defined]
+            return self.parts[0](self.kernels, x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         row = 0
         for part in self.parts:
-            out[:, row : row + part.rows] = self.kernels.quant_linear(  # type: ignore[attr-defined]
-                x, part.packed, part.qtype, part.rows)
+            out[:, row : row + part.rows] = part(self.kernels, x)
             row += part.rows
         return out
 
@@ -85,9 +98,19 @@ def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
     return quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
 
 
-def make_weight(shards: list[tuple[np.ndarray, str]], kernels: object) -> QuantizedWeight:
+def int8_activations(choice: str, kernels: object) -> bool:
+    """Whether quantized projections take int8 inputs (--quantized-activations). Raises ValueError
+    for int8 where the kernels were built without VNNI."""
+    if choice == "int8" and not kernels.int8_gemm_available():  # type: ignore[attr-defined]
+        raise ValueError("--quantized-activations int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI); "
+                         "this one has none")
+    return choice == "int8"
+
+
+def make_weight(shards: list[tuple[np.ndarray, str]], kernels: object, int8: bool = False) -> QuantizedWeight:
     """A QuantizedWeight from row shards in order: (raw GGML blocks [rows, bytes per row], type
-    name). Adjacent shards of one type are packed as one part."""
+    name), packed for int8 (quant_linear_int8) or float32 activations. Adjacent shards of one type
+    are packed as one part."""
     merged: list[tuple[list[np.ndarray], str]] = []
     for blocks, kind in shards:
         if merged and merged[-1][1] == kind:
@@ -99,8 +122,9 @@ def make_weight(shards: list[tuple[np.ndarray, str]], kernels: object) -> Quanti
         raw = np.ascontiguousarray(np.concatenate(pieces, axis=0))
         block_inputs, block_bytes = _block_shape(kind)
         cols = raw.shape[1] // block_bytes * block_inputs
-        packed = kernels.pack_quant_weight(torch.from_numpy(raw), KERNEL_TYPES[kind], cols)  # type: ignore[attr-defined]
-        parts.append(QuantPart(packed, KERNEL_TYPES[kind], raw.shape[0], raw.nbytes))
+        pack = kernels.pack_quant_weight_int8 if int8 else kernels.pack_quant_weight  # type: ignore[attr-defined]
+        packed = pack(torch.from_numpy(raw), KERNEL_TYPES[kind], cols)
+        parts.append(QuantPart(packed, KERNEL_TYPES[kind], raw.shape[0], raw.nbytes, int8))
     return QuantizedWeight(parts, kernels)
 
 

@@ -1,5 +1,5 @@
 // The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention, the layer's fused
-// elementwise steps, the small-batch projection GEMM and the GEMM over GGUF-quantized weights, one
+// elementwise steps, the small-batch projection GEMM and the GEMMs over GGUF-quantized weights, one
 // build. With METROSERVE_ISA_TEST_BUILD defined, attention and the quantized GEMM alone: the tests
 // build them so for the instruction sets this machine does not select (tests/test_cpu_kernels.py).
 #include <torch/extension.h>
@@ -12,6 +12,10 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              int64_t sliding_window, double softcap, torch::Tensor out);
 torch::Tensor pack_quant_weight(torch::Tensor raw, int64_t qtype, int64_t K);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N);
+bool int8_gemm_available();
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x);
+torch::Tensor pack_quant_weight_int8(torch::Tensor raw, int64_t qtype, int64_t K);
+torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N);
 #ifndef METROSERVE_ISA_TEST_BUILD
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -27,6 +31,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quant_weight", &pack_quant_weight,
         "[N, K / block * block bytes] GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14) in the strips quant_linear reads");
   m.def("quant_linear", &quant_linear, "x @ dequant(W)^T through pack_quant_weight's strips (CPU, float32)");
+  m.def("int8_gemm_available", &int8_gemm_available, "whether this build has the VNNI int8-activation GEMM");
+  m.def("quantize_activations", &quantize_activations, "x [M, K] -> (q int8, d float32 [M, K / 32]): x ~ d q per 32 inputs");
+  m.def("pack_quant_weight_int8", &pack_quant_weight_int8, "GGML blocks in the strips quant_linear_int8 reads");
+  m.def("quant_linear_int8", &quant_linear_int8,
+        "x~ @ dequant(W)^T, x~ = x rounded to int8 per 32 inputs (quantize_activations), VNNI (CPU)");
 #ifndef METROSERVE_ISA_TEST_BUILD
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (CPU, float32)");

@@ -1,0 +1,241 @@
+// Projections y = x W^T over GGML block weights with x rounded to int8, as llama.cpp multiplies
+// them: each row of x in blocks of 32 inputs, x ~ d q with d = max|x| / 127 and q = round(x / d),
+// and W's quants multiplied by q in integers with VNNI dot products (vpdpbusd: 4 unsigned bytes
+// times 4 signed bytes summed into an int32 lane). That is 64 multiply-adds an instruction where
+// the float kernel (quant_linear.cpp) does 16, and no widening of the weights to float.
+//
+// What it computes is exactly sum_j w_j x~_j with x~ = d q (up to float rounding of the per-block
+// sums), so a reference needs only x~: quantize_activations returns the q and d this kernel uses.
+//
+// Layout (Int8Layout in quant_formats.h): every quant made unsigned (Q8_0 + 128; Q6_K's 6-bit q as
+// stored) so it can be vpdpbusd's unsigned operand, 4 consecutive inputs of a column in each lane;
+// per sub-block the integer sum s = sum u q then gives  d_w d_x s + m_w d_x sum q, the second term
+// carrying the offset of the format (Q4_1's m, Q4_0's -8 d, Q8_0's -128 d, ...).
+//
+// Built where the compiler targets AVX512-VNNI (16 lanes) or AVX-VNNI (8 lanes, AVX2 machines);
+// elsewhere int8_gemm_available() is false and --quantized-activations int8 is refused.
+#include "quant_formats.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define METROSERVE_INT8_GEMM 1
+#elif !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#define METROSERVE_INT8_GEMM 1
+#endif
+
+namespace {
+
+constexpr int kAct = 32;   // inputs per activation scale
+constexpr int kHalf = 16;  // inputs per activation sum (Q6_K's sub-block)
+
+// x rounded to int8 per kAct inputs: q [M, K], d [M, K / kAct] (x ~ d q), s [M, K / kHalf] (d times
+// the sum of each kHalf q's: what the offsets multiply).
+struct Int8Rows {
+  torch::Tensor q, d, s;
+};
+
+Int8Rows quantize_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  Int8Rows r{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kAct}, torch::kFloat32),
+             torch::empty({M, K / kHalf}, torch::kFloat32)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = r.q.data_ptr<int8_t>();
+  float* dp = r.d.data_ptr<float>();
+  float* sp = r.s.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < K / kAct; ++b) {
+        const float* xb = xp + m * ldx + b * kAct;
+        int8_t* qb = qp + m * K + b * kAct;
+        float amax = 0.f;
+        for (int j = 0; j < kAct; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sums[kAct / kHalf] = {};
+        for (int j = 0; j < kAct; ++j) {
+          qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+          sums[j / kHalf] += qb[j];
+        }
+        dp[m * (K / kAct) + b] = d;
+        for (int h = 0; h < kAct / kHalf; ++h) sp[m * (K / kHalf) + b * (kAct / kHalf) + h] = d * sums[h];
+      }
+  });
+  return r;
+}
+
+#if defined(METROSERVE_INT8_GEMM)
+#if defined(__AVX512F__)
+using IV = __m512i;
+IV izero() { return _mm512_setzero_si512(); }
+IV iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+IV four(const int8_t* p) {  // 4 bytes of q in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+IV dot(IV acc, IV u, IV q) { return _mm512_dpbusd_epi32(acc, u, q); }
+IV low4(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+IV high4(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+V to_float(IV v) { return _mm512_cvtepi32_ps(v); }
+constexpr int kTileAcc = 16;  // float plus int accumulators a tile may hold: half the 32 registers
+constexpr int kMaxRows = 4;
+#else
+using IV = __m256i;
+IV izero() { return _mm256_setzero_si256(); }
+IV iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+IV four(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+IV dot(IV acc, IV u, IV q) { return _mm256_dpbusd_avx_epi32(acc, u, q); }
+IV low4(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+IV high4(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+V to_float(IV v) { return _mm256_cvtepi32_ps(v); }
+constexpr int kTileAcc = 8;  // of the 16 registers
+constexpr int kMaxRows = 2;
+#endif
+
+struct Problem {
+  const int8_t* q;  // [M, K]
+  const float* d;   // [M, K / kAct]
+  const float* s;   // [M, K / kHalf]
+  int64_t K, M;
+  const uint8_t* w;  // [strips, blocks, kStripBlock]
+  int64_t blocks, strips, N;
+  float* y;  // [M, N]
+};
+
+// isum[s][r] += sum over the sub-block's inputs j of u[s]_j q[r]_j (q: row 0 at the sub-block).
+template <class F, int R, int S>
+inline void sub_block_dot(const int8_t* q, int64_t K, const uint8_t* const* u, IV (*isum)[R]) {
+  if constexpr (F::kNibbles) {
+    for (int v = 0; v < F::kSub / 8; ++v)
+      for (int s = 0; s < S; ++s) {
+        const IV packed = iload(u[s] + v * W * 4);
+        const IV lo = low4(packed), hi = high4(packed);
+        for (int r = 0; r < R; ++r) {
+          isum[s][r] = dot(isum[s][r], lo, four(q + r * K + 4 * v));
+          isum[s][r] = dot(isum[s][r], hi, four(q + r * K + F::kSub / 2 + 4 * v));
+        }
+      }
+  } else {
+    for (int g = 0; g < F::kSub / 4; ++g)
+      for (int s = 0; s < S; ++s) {
+        const IV w = iload(u[s] + g * W * 4);
+        for (int r = 0; r < R; ++r) isum[s][r] = dot(isum[s][r], w, four(q + r * K + 4 * g));
+      }
+  }
+}
+
+// y[row .. row + R, strip columns .. + S strips] over all blocks.
+template <class F, int R, int S>
+void tile(const Problem& p, int64_t row, int64_t strip) {
+  static_assert(F::kSub == kAct || F::kSub == kHalf);
+  V acc[S][R];
+  IV isum[S][R];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) acc[s][r] = Vec::zero();
+  const int8_t* q = p.q + row * p.K;
+  const int64_t ld = p.K / kAct, lds = p.K / kHalf;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const uint8_t* block[S];
+    for (int s = 0; s < S; ++s) {
+      block[s] = p.w + ((strip + s) * p.blocks + b) * kStripBlock<F>;
+      for (int64_t c = 0; c < kStripBlock<F>; c += 64) __builtin_prefetch(block[s] + kAhead + c, 0, 2);
+    }
+    for (int sub = 0; sub < F::kBlock / F::kSub; ++sub) {
+      const int64_t at = b * F::kBlock + sub * F::kSub;  // the sub-block's first input
+      const uint8_t* quants[S];
+      for (int s = 0; s < S; ++s) {
+        quants[s] = F::quants(block[s], sub);
+        for (int r = 0; r < R; ++r) isum[s][r] = izero();
+      }
+      sub_block_dot<F, R, S>(q + at, p.K, quants, isum);
+      for (int s = 0; s < S; ++s) {
+        const V dw = F::scale(block[s], sub);
+        const V mw = F::offset8(block[s], sub, dw);
+        for (int r = 0; r < R; ++r) {
+          const float* d = p.d + (row + r) * ld + at / kAct;
+          const float* sums = p.s + (row + r) * lds + at / kHalf;
+          const float sum = F::kSub == kHalf ? sums[0] : sums[0] + sums[1];
+          acc[s][r] = Vec::fma(Vec::mul(dw, Vec::broadcast(d)), to_float(isum[s][r]), acc[s][r]);
+          acc[s][r] = Vec::fma(mw, Vec::set1(sum), acc[s][r]);
+        }
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) store_columns(p.y + (row + r) * p.N, (strip + s) * W, p.N, acc[s][r]);
+}
+
+// `rows` (<= R) rows over `strips` (<= kGroup) strips, in tiles of as many strips as the
+// accumulators (two a row and strip) allow.
+template <class F, int R>
+void tiles(int rows, int strips, const Problem& p, int64_t row, int64_t strip) {
+  if constexpr (R > 1) {
+    if (rows < R) return tiles<F, R - 1>(rows, strips, p, row, strip);
+  }
+  constexpr int S = std::min(kGroup, kTileAcc / (2 * R));
+  int s = 0;
+  for (; s + S <= strips; s += S) tile<F, R, S>(p, row, strip + s);
+  for (; s < strips; ++s) tile<F, R, 1>(p, row, strip + s);
+}
+
+template <class F>
+void run(const Problem& p) {
+  sweep(p.M, p.strips, kMaxRows, [&](int rows, int strips, int64_t row, int64_t strip) {
+    tiles<F, kMaxRows>(rows, strips, p, row, strip);
+  });
+}
+
+template <class F>
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / F::kBlock, strips = (N + W - 1) / W;
+  check_packed<F>(packed, K, N, "quant_linear_int8");
+  auto y = torch::empty({M, N}, x.options());
+  const Int8Rows a = quantize_rows(x);
+  run<F>({a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), a.s.data_ptr<float>(), K, M, packed.data_ptr<uint8_t>(),
+          blocks, strips, N, y.data_ptr<float>()});
+  return y;
+}
+#endif
+
+}  // namespace
+
+bool int8_gemm_available() {
+#if defined(METROSERVE_INT8_GEMM)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] float32 (K a multiple of 32) -> (q int8 [M, K], d float32 [M, K / 32]): x ~ d q per 32 inputs.
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kAct == 0,
+              "quantize_activations: x must be float32 [M, K] with contiguous rows and K a multiple of 32");
+  Int8Rows r = quantize_rows(x);
+  return {r.q, r.d};
+}
+
+// raw [N, K / block * block bytes] GGML rows -> the int8 kernel's strips (pack_quant_weight's twin).
+torch::Tensor pack_quant_weight_int8(torch::Tensor raw, int64_t qtype, int64_t K) {
+  TORCH_CHECK(int8_gemm_available(), "pack_quant_weight_int8: this build has no VNNI (int8_gemm_available())");
+  return dispatch(qtype, "pack_quant_weight_int8", [&](auto f) {
+    using F = decltype(f);
+    check_raw<F>(raw, K, "pack_quant_weight_int8");
+    return pack<F, Int8Layout>(raw, K / F::kBlock);
+  });
+}
+
+// x [M, K] float32 (rows contiguous) rounded to int8 per 32 inputs, times the packed weight of N
+// output columns: [M, N] float32.
+torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "quant_linear_int8: x must be float32 [M, K] with contiguous rows");
+#if defined(METROSERVE_INT8_GEMM)
+  return dispatch(qtype, "quant_linear_int8", [&](auto f) { return linear<decltype(f)>(x, packed, N); });
+#else
+  TORCH_CHECK(false, "quant_linear_int8: this build has no VNNI (int8_gemm_available())");
+  return {};
+#endif
+}
