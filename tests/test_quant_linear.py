@@ -99,9 +99,27 @@ def test_int8_quant_linear_matches_rounded_reference(int8_kernels, qtype, k, row
     raw, deq = quantized(qtype, k)
     packed = int8_kernels.pack_quant_weight_int8(torch.from_numpy(raw), int(qtype), k)
     size = raw.size * PACKED_OVER_RAW.get(qtype, 1) * (N + WIDEST_STRIP) / N
-    assert packed.dtype == torch.uint8 and packed.numel() <= size
+    assert packed.dtype == torch.int8 and packed.numel() <= size  # int8: this layout's tag
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     assert_matches(int8_kernels.quant_linear_int8(x, packed, int(qtype), N), rounded(int8_kernels, x), deq)
+
+
+def test_int8_quant_linear_strided_rows_and_refusals(int8_kernels):
+    qtype, k = Q.Q4_1, 576
+    raw, deq = quantized(qtype, k)
+    packed = int8_kernels.pack_quant_weight_int8(torch.from_numpy(raw), int(qtype), k)
+    x = torch.randn(5, k + 64)[:, :k]  # rows need not be adjacent
+    assert_matches(int8_kernels.quant_linear_int8(x, packed, int(qtype), N), rounded(int8_kernels, x), deq)
+    with pytest.raises(RuntimeError, match="not packed"):
+        int8_kernels.quant_linear_int8(x, packed, int(qtype), N + 64)
+    with pytest.raises(RuntimeError, match="not packed"):  # each kernel refuses the other's layout
+        int8_kernels.quant_linear(x, packed, int(qtype), N)
+    float_packed = int8_kernels.pack_quant_weight(torch.from_numpy(raw), int(qtype), k)
+    with pytest.raises(RuntimeError, match="not packed"):
+        int8_kernels.quant_linear_int8(x, float_packed, int(qtype), N)
+    tiny = torch.full((1, k), 1e-39)  # subnormal: the rounding's scale overflows, the quants stay in range
+    q, _ = int8_kernels.quantize_activations(tiny)
+    assert q.abs().max() <= 127
 
 
 def test_quantize_activations_rounds_each_32_inputs_to_int8(kernels):

@@ -95,7 +95,8 @@ class EngineConfig:
                        help="inputs of quantized projections. float32 (default): exact, so greedy output is the "
                             "dequantized model's. int8: rounded per 32 inputs and multiplied in integers (VNNI: "
                             "AVX512-VNNI or AVX-VNNI), as llama.cpp does; faster (prefill above all), but the "
-                            "rounding changes greedy output and makes it depend on batching and chunking")
+                            "rounding changes greedy output and makes it depend on batching and chunking. The "
+                            "target model's: a draft model takes float32 inputs")
         g.add_argument("--device", default=d.device, help="cpu, cuda or auto")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size on CPU, e.g. 4GiB")

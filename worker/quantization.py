@@ -14,6 +14,8 @@ float32 (4 bytes). The float32 copy of such a weight is dropped after loading. I
   agreement with the dequantized model 97%, as llama.cpp's, in benchmarks/README.md) and amplifies
   float-order differences, so greedy output may depend on batch composition and chunking (as in
   llama.cpp). Decided as --dtype bfloat16 was: the default is the fastest exact choice.
+A draft model (speculative decoding) is loaded with its checkpoint's own quantization and float32
+inputs: both flags are the target model's.
 
 Which weights are quantized (`--quantization`, vLLM's flag):
 - None (default): a checkpoint's own quantization. A GGUF's matrices in Q4_0, Q4_1, Q8_0, Q4_K or

@@ -73,12 +73,16 @@ V uint8s(const uint8_t* p) { return Vec::map([&](int i) { return static_cast<flo
 
 // Where quant byte j of column c lies among a strip block's quants. The float kernel widens byte j
 // of the W columns with one load; vpdpbusd multiplies 4 consecutive bytes of one column per lane.
+// Each layout's packed tensor has its own dtype (the bytes are unsigned either way), so a weight
+// packed for one kernel is refused by the other.
 struct FloatLayout {
   static constexpr bool kInt8 = false;
+  static constexpr auto kDtype = torch::kUInt8;
   static int at(int j, int c) { return j * W + c; }
 };
 struct Int8Layout {
   static constexpr bool kInt8 = true;
+  static constexpr auto kDtype = torch::kInt8;
   static int at(int j, int c) { return (j / 4 * W + c) * 4 + j % 4; }
 };
 
@@ -186,10 +190,10 @@ void check_raw(const torch::Tensor& raw, int64_t K, const char* what) {
               what, ": raw must be contiguous uint8 [N, K / ", F::kBlock, " * ", F::kRaw, "] with K = ", K,
               " a multiple of ", F::kBlock);
 }
-template <class F>
+template <class F, class L>
 void check_packed(const torch::Tensor& packed, int64_t K, int64_t N, const char* what) {
   const int64_t strips = (N + W - 1) / W;
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && K % F::kBlock == 0 && packed.dim() == 3 &&
+  TORCH_CHECK(packed.scalar_type() == L::kDtype && K % F::kBlock == 0 && packed.dim() == 3 &&
                   packed.size(0) == strips && packed.size(1) == K / F::kBlock && packed.size(2) == kStripBlock<F> &&
                   packed.is_contiguous(),
               what, ": the weight is not packed for this x, N and type by this build and kernel");
@@ -223,9 +227,9 @@ void sweep(int64_t M, int64_t strips, int tile_rows, Fn&& tile) {
 template <class F, class L>
 torch::Tensor pack(const torch::Tensor& raw, int64_t blocks) {
   const int64_t N = raw.size(0), strips = (N + W - 1) / W, row_bytes = blocks * F::kRaw;
-  torch::Tensor packed = torch::zeros({strips, blocks, kStripBlock<F>}, raw.options());
+  torch::Tensor packed = torch::zeros({strips, blocks, kStripBlock<F>}, raw.options().dtype(L::kDtype));
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
+  auto* dst = static_cast<uint8_t*>(packed.data_ptr());
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s)
       for (int64_t b = 0; b < blocks; ++b) {

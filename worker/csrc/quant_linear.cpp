@@ -114,7 +114,7 @@ void run(const Problem& p) {
 template <class F>
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / F::kBlock, strips = (N + W - 1) / W;
-  check_packed<F>(packed, K, N, "quant_linear");
+  check_packed<F, FloatLayout>(packed, K, N, "quant_linear");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
@@ -130,7 +130,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
         }
     });
   }
-  run<F>({xp, ldx, M, xsum.data(), packed.data_ptr<uint8_t>(), blocks, strips, N, y.data_ptr<float>()});
+  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
+  run<F>({xp, ldx, M, xsum.data(), w, blocks, strips, N, y.data_ptr<float>()});
   return y;
 }
 

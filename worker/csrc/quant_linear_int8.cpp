@@ -51,7 +51,8 @@ Int8Rows quantize_rows(const torch::Tensor& x) {
         const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         int sums[kAct / kHalf] = {};
         for (int j = 0; j < kAct; ++j) {
-          qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+          // Clamped: with a subnormal amax, inv overflows (NaN inputs are the model's bug, not handled).
+          qb[j] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[j] * inv), -127.f, 127.f));
           sums[j / kHalf] += qb[j];
         }
         dp[m * (K / kAct) + b] = d;
@@ -190,11 +191,12 @@ void run(const Problem& p) {
 template <class F>
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / F::kBlock, strips = (N + W - 1) / W;
-  check_packed<F>(packed, K, N, "quant_linear_int8");
+  check_packed<F, Int8Layout>(packed, K, N, "quant_linear_int8");
   auto y = torch::empty({M, N}, x.options());
   const Int8Rows a = quantize_rows(x);
-  run<F>({a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), a.s.data_ptr<float>(), K, M, packed.data_ptr<uint8_t>(),
-          blocks, strips, N, y.data_ptr<float>()});
+  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
+  run<F>({a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), a.s.data_ptr<float>(), K, M, w, blocks, strips, N,
+          y.data_ptr<float>()});
   return y;
 }
 #endif
