@@ -184,19 +184,19 @@ def main() -> None:
         llama_version = llama["version"]
         row: dict[str, Any] = {"type": name, "file": str(path), "tensor_types": types,
                                "llama_cpp_ppl": ppl(llama["nll"])}
-        # The float32 row is the dequantized model (transformers' up to the order of sums): every
-        # row's top-1 agreement is with its argmaxes.
-        runs = {"float32": ("none", "float32"), "": (None, "float32")}
+        # metroserve_float32 is the dequantized model (transformers' up to the order of sums): the
+        # other rows' top-1 agreement is with its argmaxes.
+        runs = {"metroserve_float32": ("none", "float32"), "metroserve": (None, "float32")}
         if int8_inputs:
-            runs["int8_inputs"] = (None, "int8")
+            runs["metroserve_int8_inputs"] = (None, "int8")
         top1 = {"llama_cpp": llama["top1"]}
         for label, (quantization, activations) in runs.items():
             print(f"  metroserve quantization={quantization} activations={activations}", flush=True)
             nll, top1[label] = metroserve_nll(path, quantization, windows, activations)
-            row[f"metroserve_{label}_ppl".replace("__", "_")] = ppl(nll)
+            row[f"{label}_ppl"] = ppl(nll)
+        reference = top1.pop("metroserve_float32")
         for label, argmax in top1.items():
-            same = sum(a == b for a, b in zip(argmax, top1["float32"]))
-            row[f"{label or 'metroserve'}_top1_agreement".replace("int8", "metroserve_int8")] = same / len(argmax)
+            row[f"{label}_top1_agreement"] = sum(a == b for a, b in zip(argmax, reference)) / len(argmax)
         row["ratio_pct"] = 100 * (row["metroserve_ppl"] / row["llama_cpp_ppl"] - 1)
         if int8_inputs:
             row["int8_inputs_ratio_pct"] = 100 * (row["metroserve_int8_inputs_ppl"] / row["llama_cpp_ppl"] - 1)

@@ -15,7 +15,6 @@ from metroserve.worker.model_files import ModelLoadError
 from metroserve.worker.quantization import (
     KERNEL_TYPES,
     QUANTIZED_FILE,
-    int8_activations,
     make_weight,
     quantize_q8_0,
     read_gguf_blocks,
@@ -64,7 +63,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quanti
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weight tensors, e.g. {sorted(missing)[:3]}")
     kernels = load_cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
-    served = 0
+    served = False
     if matmul_dtype is None:
         served = _quantize(model, model_dir, quantization, kernels, quantized_activations)
     elif quantization not in (None, "none"):
@@ -85,14 +84,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quanti
 
 
 def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | None, kernels,
-              quantized_activations: str) -> int:
+              quantized_activations: str) -> bool:
     """Serve the projections quantized that `quantization` asks for, when the kernels can; returns
-    how many are."""
+    whether any is."""
     if quantization == "none":
-        return 0
+        return False
     blocks, types = ({}, {}) if quantization == "int8" else read_gguf_blocks(model_dir)
     if quantization is None and not blocks:
-        return 0  # an unquantized checkpoint, served as it is
+        return False  # an unquantized checkpoint, served as it is
     if quantization == "gguf" and not blocks:
         raise ModelLoadError(f"{model_dir}: --quantization gguf needs a GGUF model with quantized matrices")
     if kernels is None or not hasattr(kernels, "quant_linear"):
@@ -100,12 +99,12 @@ def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | No
         if quantization is not None:
             raise ModelLoadError(f"--quantization {quantization}: {message}")
         logger.warning("%s: %s; serving the dequantized float weights", model_dir.name, message)
-        return 0
-    try:
-        int8 = int8_activations(quantized_activations, kernels)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from e
-    served: dict[str, int] = {}
+        return False
+    int8 = quantized_activations == "int8"
+    if int8 and not kernels.int8_gemm_available():
+        raise ModelLoadError("--quantized-activations int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI); "
+                             "this one has none")
+    served: dict[str, int] = {}  # parts per GGML type
     for name, ways in tqdm(model.projection_sources().items(), desc="Quantizing" if quantization == "int8"
                            else "Packing quantized weights", unit="projection", leave=False):
         if quantization == "int8":
@@ -121,4 +120,4 @@ def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | No
     logger.info("%s: projections served quantized: %s; %s inputs", model_dir.name,
                 ", ".join(f"{n} in {kind}" for kind, n in sorted(served.items())) or "none",
                 "int8 (VNNI)" if int8 else "float32")
-    return sum(served.values())
+    return bool(served)

@@ -100,15 +100,6 @@ def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
     return quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
 
 
-def int8_activations(choice: str, kernels: object) -> bool:
-    """Whether quantized projections take int8 inputs (--quantized-activations). Raises ValueError
-    for int8 where the kernels were built without VNNI."""
-    if choice == "int8" and not kernels.int8_gemm_available():  # type: ignore[attr-defined]
-        raise ValueError("--quantized-activations int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI); "
-                         "this one has none")
-    return choice == "int8"
-
-
 def make_weight(shards: list[tuple[np.ndarray, str]], kernels: object, int8: bool = False) -> QuantizedWeight:
     """A QuantizedWeight from row shards in order: (raw GGML blocks [rows, bytes per row], type
     name), packed for int8 (quant_linear_int8) or float32 activations. Adjacent shards of one type
