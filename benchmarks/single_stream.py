@@ -8,7 +8,7 @@ other on the same threads:
 - engine: metroserve as a user starts it on the file (its default --quantization: the GGUF's own
   quantized matrices served quantized, multiplied by exact float32 activations);
 - engine-int8-inputs: the same with --quantized-activations int8 (activations rounded to int8 and
-  multiplied in integers, as llama.cpp does; only where the CPU has VNNI);
+  multiplied in integers, as llama.cpp does; x86 with AVX2 or AVX-512);
 - engine-fp32: the same with --quantization none (every weight dequantized to float32: the engine
   before quantized serving);
 - llama.cpp: llama-cpp-python from its own virtual environment (--llama-cpp-python: that venv's

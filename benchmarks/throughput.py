@@ -371,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine peer's --quantization (default: the checkpoint's own, e.g. a GGUF's "
                              "Q4_1 matrices served quantized; the transformers peers run the dequantized weights)")
     parser.add_argument("--quantized-activations", default="float32", choices=QUANTIZED_ACTIVATIONS_CHOICES,
-                        help="the engine peer's --quantized-activations (int8: VNNI integer products, opt-in)")
+                        help="the engine peer's --quantized-activations (int8: integer products, opt-in)")
 
 
 def _print_report(report: dict[str, Any]) -> None:

@@ -104,28 +104,30 @@ def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
 # (tests/test_quant_linear.py tests the latter), built once per machine and source change (about a
 # minute each on 2 cores) into the kernel cache.
 ISA_MARCH = {"avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
-# The int8-activation GEMM's 8-lane path (AVX-VNNI on an AVX2 machine; tests/test_quant_linear.py):
-# the builds above have no VNNI, this machine's may have the 16-lane one. Runs where the CPU has it.
-VNNI_ISA_MARCH = {"avx2-vnni": "-march=x86-64-v3 -mavxvnni"}
+# Builds for the int8-activation GEMM's other paths (tests/test_quant_linear.py), each run where the
+# CPU can: AVX-VNNI dot products on an AVX2 machine, and AVX-512 without VNNI (byte products in
+# 16 lanes). The builds above have no VNNI; this machine's own build may have the 16-lane VNNI path.
+EXTRA_ISA_MARCH = {"avx2-vnni": "-march=x86-64-v3 -mavxvnni", "avx512": "-march=x86-64-v4"}
+EXTRA_ISA_NEEDS = {"avx2-vnni": "avx_vnni", "avx512": "avx512bw"}  # /proc/cpuinfo's flag
 ISA_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "quant_linear.cpp", "quant_linear_int8.cpp",
                "bindings.cpp")
 
 
 def build_for_instruction_set(isa: str) -> ModuleType:
-    """The kernels built for `isa` (a key of ISA_MARCH or VNNI_ISA_MARCH); skips where this machine
+    """The kernels built for `isa` (a key of ISA_MARCH or EXTRA_ISA_MARCH); skips where this machine
     cannot build or run them."""
     if platform.machine() != "x86_64" or load_cpu_kernels() is None:
         pytest.skip("the instruction-set builds are x86-64 builds of the CPU kernels")
-    if isa in VNNI_ISA_MARCH and "avx_vnni" not in cpu_flags():
-        pytest.skip(f"this CPU cannot run the {isa} build (no AVX-VNNI)")
-    march = {**ISA_MARCH, **VNNI_ISA_MARCH}[isa]
+    if isa in EXTRA_ISA_NEEDS and EXTRA_ISA_NEEDS[isa] not in cpu_flags():
+        pytest.skip(f"this CPU cannot run the {isa} build (no {EXTRA_ISA_NEEDS[isa]})")
+    march = {**ISA_MARCH, **EXTRA_ISA_MARCH}[isa]
     cflags = tuple(flag for f in CFLAGS for flag in (march.split() if f == "-march=native" else [f]))
     build = kernel_build(tuple(CSRC / name for name in ISA_SOURCES), (*cflags, "-DMETROSERVE_ISA_TEST_BUILD"),
                          name=f"metroserve_isa_{isa.replace('-', '_')}")
     defines = subprocess.run([get_cxx_compiler(), *cflags, "-dM", "-E", "-x", "c++", "/dev/null"],
                              capture_output=True, text=True, check=True).stdout
-    assert ("__AVX512F__" in defines, "__AVX2__" in defines) == (False, isa.startswith("avx2"))
-    assert ("__AVXVNNI__" in defines) == (isa in VNNI_ISA_MARCH)
+    assert ("__AVX512BW__" in defines, "__AVX2__" in defines) == (isa == "avx512", isa != "portable")
+    assert ("__AVXVNNI__" in defines, "__AVX512VNNI__" in defines) == (isa == "avx2-vnni", False)
     module = load_or_build(build).module
     assert not hasattr(module, "rms_norm")  # this build, not the engine's module of the same functions
     return module

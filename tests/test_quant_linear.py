@@ -1,8 +1,8 @@
 """The GEMMs over GGUF-quantized weights against x @ dequant(W)^T in float64, W dequantized by gguf's
 numpy reference, for each block format and each instruction-set build (this machine's, and
-tests/test_cpu_kernels.py's AVX2, AVX-VNNI and portable builds): quant_linear
-(worker/csrc/quant_linear.cpp) with x as it is, quant_linear_int8 (quant_linear_int8.cpp, the
-builds with VNNI) with x rounded as quantize_activations rounds it."""
+tests/test_cpu_kernels.py's AVX2, AVX2 + AVX-VNNI, AVX-512 without VNNI and portable builds):
+quant_linear (worker/csrc/quant_linear.cpp) with x as it is, quant_linear_int8 (quant_linear_int8.cpp,
+every build but the portable one) with x rounded as quantize_activations rounds it."""
 
 import functools
 
@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.model_files import ModelLoadError, default_model_path
-from tests.test_cpu_kernels import ISA_MARCH, VNNI_ISA_MARCH, build_for_instruction_set
+from tests.test_cpu_kernels import EXTRA_ISA_MARCH, ISA_MARCH, build_for_instruction_set
 
 Q = GGMLQuantizationType
 # One block; SmolLM2's hidden and intermediate sizes. The super-block formats need multiples of 256.
@@ -26,7 +26,7 @@ N = 203  # output columns: no whole number of strips (16 or 8 wide) nor of 4-str
 WIDEST_STRIP = 16
 
 
-@pytest.fixture(scope="module", params=["native", *sorted(ISA_MARCH), *sorted(VNNI_ISA_MARCH)])
+@pytest.fixture(scope="module", params=["native", *sorted(ISA_MARCH), *sorted(EXTRA_ISA_MARCH)])
 def kernels(request):
     if request.param != "native":
         return build_for_instruction_set(request.param)
@@ -83,7 +83,7 @@ def test_quant_linear_matches_dequantized_reference(kernels, qtype, k, rows):
 @pytest.fixture
 def int8_kernels(kernels):
     if not kernels.int8_gemm_available():
-        pytest.skip("this build has no VNNI: no int8-activation GEMM")
+        pytest.skip("the portable build has no int8-activation GEMM")
     return kernels
 
 
@@ -137,14 +137,36 @@ def test_quantize_activations_rounds_each_32_inputs_to_int8(kernels):
     assert (q.view(7, 3, 32).abs().amax(-1)[amax > 0] == 127).all() and (q[2, 32:64] == 0).all()
 
 
-def test_without_vnni_the_int8_gemm_is_refused(kernels):
+def test_without_integer_products_the_int8_gemm_is_refused(kernels):
     if kernels.int8_gemm_available():
-        pytest.skip("this build has VNNI")
+        pytest.skip("this build has integer products (AVX2 or AVX-512)")
     raw, _ = quantized(Q.Q4_1, 576)
-    with pytest.raises(RuntimeError, match="no VNNI"):
+    with pytest.raises(RuntimeError, match="no int8 products"):
         kernels.pack_quant_weight_int8(torch.from_numpy(raw), int(Q.Q4_1), 576)
-    with pytest.raises(RuntimeError, match="no VNNI"):
+    with pytest.raises(RuntimeError, match="no int8 products"):
         kernels.quant_linear_int8(torch.randn(1, 576), torch.zeros(1, dtype=torch.uint8), int(Q.Q4_1), N)
+
+
+def test_saturation_prone_products_are_exact(int8_kernels):
+    """The largest products each format allows (every quant at its maximum, every input at +-127 in
+    runs of one sign): where 16-bit pair sums are used (AVX2 / AVX-512 without VNNI) they must not
+    saturate."""
+    k = 256
+    for qtype, q8 in ((Q.Q4_0, 0), (Q.Q4_1, 0), (Q.Q8_0, 0x7F), (Q.Q8_0, 0x80), (Q.Q4_K, 0), (Q.Q6_K, 0)):
+        size = GGML_QUANT_SIZES[qtype][1]
+        raw = np.full((N, k // GGML_QUANT_SIZES[qtype][0], size), 0xFF, dtype=np.uint8)
+        scale = np.array([2.0**-10], dtype=np.float16).view(np.uint8)
+        if qtype == Q.Q6_K:
+            raw[..., size - 2 :] = scale
+        else:  # the leading fp16 scales (Q4_1's and Q4_K's min too)
+            raw[..., : 4 if qtype in (Q.Q4_1, Q.Q4_K) else 2] = np.tile(scale, 2 if qtype in (Q.Q4_1, Q.Q4_K) else 1)
+        if qtype == Q.Q8_0:
+            raw[..., 2:] = q8  # +127 or -128 (0xFF is -1)
+        rows = raw.reshape(N, -1)
+        deq = dequantize(rows, qtype).astype(np.float64)
+        packed = int8_kernels.pack_quant_weight_int8(torch.from_numpy(rows), int(qtype), k)
+        x = torch.ones(3, k) * torch.tensor([1.0, -1.0, 0.5])[:, None]
+        assert_matches(int8_kernels.quant_linear_int8(x, packed, int(qtype), N), rounded(int8_kernels, x), deq)
 
 
 def test_quant_linear_strided_rows_and_refusals(kernels):

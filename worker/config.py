@@ -93,8 +93,9 @@ class EngineConfig:
         g.add_argument("--quantized-activations", default=d.quantized_activations,
                        choices=QUANTIZED_ACTIVATIONS_CHOICES,
                        help="inputs of quantized projections. float32 (default): exact, so greedy output is the "
-                            "dequantized model's. int8: rounded per 32 inputs and multiplied in integers (VNNI: "
-                            "AVX512-VNNI or AVX-VNNI), as llama.cpp does; faster (prefill above all), but the "
+                            "dequantized model's. int8: rounded per 32 inputs and multiplied in integers (VNNI where "
+                            "the CPU has it, else AVX2/AVX-512 byte products), as llama.cpp does; faster (prefill "
+                            "above all), but the "
                             "rounding changes greedy output and makes it depend on batching and chunking. The "
                             "target model's: a draft model takes float32 inputs")
         g.add_argument("--device", default=d.device, help="cpu, cuda or auto")

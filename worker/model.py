@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metroserve.worker.attention import AttentionBackend, BatchLayout
+from metroserve.worker.fused_decode import FusedDecode
 from metroserve.worker.kv_cache import KVCache
 from metroserve.worker.quantization import QuantizedWeight
 
@@ -386,6 +387,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head_quantized: QuantizedWeight | None = None
         self.windows: list[int | None] = sorted({w for _, w in self.layer_inputs}, key=lambda w: w or 0)
         self.inv_freq: dict[str, torch.Tensor] = {}  # per rope key; computed, not loaded (init_rope)
+        self.fused_decode: FusedDecode | None = None  # the layers in one C++ call for decode steps (use_cpu_kernels)
 
     def init_rope(self, device: torch.device) -> None:
         dim = self.cfg.rotary_dim
@@ -407,6 +409,10 @@ class DecoderForCausalLM(nn.Module):
         for key, inv_freq in self.inv_freq.items():
             freqs = positions.float()[:, None] * inv_freq[None, :]
             ropes[key] = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)  # [T, rotary_dim / 2]
+        if (self.fused_decode is not None and x.shape[0] <= PANEL_MAX_ROWS
+                and all(getattr(m, "decode_only", False) for m in metadata.values())):
+            out, stream = self.fused_decode.forward(x, *ropes[FULL], kv_cache, next(iter(metadata.values())))
+            return stream.add_(out)
         residual = None
         for i, (layer, (rope, window)) in enumerate(zip(self.layers, self.layer_inputs)):
             x, residual = layer(i, x, residual, ropes[rope], attn, kv_cache, metadata[window])
@@ -463,7 +469,8 @@ class DecoderForCausalLM(nn.Module):
         """Run RMSNorm (with the residual add before it), RoPE and SiLU-and-multiply through the compiled
         CPU kernels (worker/cpu_kernels.py): one pass each instead of 3-6 torch ops; and projections of
         up to PANEL_MAX_ROWS rows through the kernels' panel GEMM, which keeps one more packed copy of
-        the layers' weights (csrc/packed_linear.cpp). CPU float32 only; call again after changing weights."""
+        the layers' weights (csrc/packed_linear.cpp); and decode steps' layers in one C++ call where
+        they are Llama's (worker/fused_decode.py). CPU float32 only; call again after changing weights."""
         weight = self.embed_tokens.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError(f"the CPU kernels run float32 on CPU, not {weight.dtype} on {weight.device}")
@@ -477,6 +484,7 @@ class DecoderForCausalLM(nn.Module):
                     and module.weight.dtype == torch.float32):
                 module.kernels = kernels
                 module.panels = kernels.pack_linear_weight(module.weight.detach())
+        self.fused_decode = FusedDecode.for_layers(kernels, list(self.layers), one_rope=self.cfg.local_rope is None)
 
     def resident_bytes(self) -> int:
         """Bytes of every tensor the model holds (weights, their packed and quantized copies, RoPE

@@ -102,8 +102,8 @@ def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | No
         return False
     int8 = quantized_activations == "int8"
     if int8 and not kernels.int8_gemm_available():
-        raise ModelLoadError("--quantized-activations int8 needs a CPU with VNNI (AVX512-VNNI or AVX-VNNI); "
-                             "this one has none")
+        raise ModelLoadError("--quantized-activations int8 needs CPU kernels built for AVX2 or AVX-512 "
+                             "(integer dot products); this build is portable")
     served: dict[str, int] = {}  # parts per GGML type
     for name, ways in tqdm(model.projection_sources().items(), desc="Quantizing" if quantization == "int8"
                            else "Packing quantized weights", unit="projection", leave=False):
@@ -119,5 +119,5 @@ def _quantize(model: DecoderForCausalLM, model_dir: Path, quantization: str | No
         model.set_quantized(name, make_weight(shards, kernels, int8))
     logger.info("%s: projections served quantized: %s; %s inputs", model_dir.name,
                 ", ".join(f"{n} in {kind}" for kind, n in sorted(served.items())) or "none",
-                "int8 (VNNI)" if int8 else "float32")
+                "int8" if int8 else "float32")
     return bool(served)

@@ -7,10 +7,11 @@ float32 (4 bytes). The float32 copy of such a weight is dropped after loading. I
 - "float32" (default; `quant_linear`, csrc/quant_linear.cpp): exact inputs; each block is widened
   to float in registers and multiplied with FMAs. Greedy output equals the dequantized model's up
   to the order of the sums, so every invariant of the engine holds.
-- "int8" (`quant_linear_int8`, csrc/quant_linear_int8.cpp; CPUs with VNNI): each row rounded to
-  int8 per 32 inputs (one float scale each) and multiplied by the quants in integers, as
-  llama.cpp does: 4x the multiply-adds an instruction and no widening of the weights, so prefill
-  runs well above float32 GEMMs. Opt-in because the rounding changes greedy output (top-1
+- "int8" (`quant_linear_int8`, csrc/quant_linear_int8.cpp; x86 CPUs with AVX2 or AVX-512): each
+  row rounded to int8 per 32 inputs (one float scale each) and multiplied by the quants in
+  integers, as llama.cpp does: VNNI dot products (4x the multiply-adds an instruction of float
+  FMAs) where the CPU has them, else AVX2/AVX-512 byte products (2x), and no widening of the
+  weights, so prefill runs well above float32 GEMMs. Opt-in because the rounding changes greedy output (top-1
   agreement with the dequantized model 97%, as llama.cpp's, in benchmarks/README.md) and amplifies
   float-order differences, so greedy output may depend on batch composition and chunking (as in
   llama.cpp). Decided as --dtype bfloat16 was: the default is the fastest exact choice.

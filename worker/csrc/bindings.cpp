@@ -1,6 +1,6 @@
 // The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention, the layer's fused
-// elementwise steps, the small-batch projection GEMM and the GEMMs over GGUF-quantized weights, one
-// build. With METROSERVE_ISA_TEST_BUILD defined, attention and the quantized GEMM alone: the tests
+// elementwise steps, the small-batch projection GEMM, the GEMMs over GGUF-quantized weights and the
+// decode step's layers in one call (DecodeStack), one build. With METROSERVE_ISA_TEST_BUILD defined, attention and the quantized GEMM alone: the tests
 // build them so for the instruction sets this machine does not select (tests/test_cpu_kernels.py).
 #include <torch/extension.h>
 
@@ -23,6 +23,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_embedding(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor pack_linear_weight(torch::Tensor w);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+void register_decode_stack(pybind11::module& m);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,11 +32,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quant_weight", &pack_quant_weight,
         "[N, K / block * block bytes] GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14) in the strips quant_linear reads");
   m.def("quant_linear", &quant_linear, "x @ dequant(W)^T through pack_quant_weight's strips (CPU, float32)");
-  m.def("int8_gemm_available", &int8_gemm_available, "whether this build has the VNNI int8-activation GEMM");
+  m.def("int8_gemm_available", &int8_gemm_available, "whether this build has the int8-activation GEMM (AVX2 or AVX-512; VNNI when present)");
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (q int8, d float32 [M, K / 32]): x ~ d q per 32 inputs");
   m.def("pack_quant_weight_int8", &pack_quant_weight_int8, "GGML blocks in the strips quant_linear_int8 reads");
   m.def("quant_linear_int8", &quant_linear_int8,
-        "x~ @ dequant(W)^T, x~ = x rounded to int8 per 32 inputs (quantize_activations), VNNI (CPU)");
+        "x~ @ dequant(W)^T, x~ = x rounded to int8 per 32 inputs (quantize_activations), integer products (CPU)");
 #ifndef METROSERVE_ISA_TEST_BUILD
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (CPU, float32)");
@@ -43,5 +44,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of a row's first heads, in place (CPU, float32)");
   m.def("pack_linear_weight", &pack_linear_weight, "a [N, K] weight in the column panels packed_linear reads");
   m.def("packed_linear", &packed_linear, "x @ W^T through pack_linear_weight's panels (CPU, float32)");
+  register_decode_stack(m);
 #endif
 }

@@ -1,25 +1,36 @@
 // Projections y = x W^T over GGML block weights with x rounded to int8, as llama.cpp multiplies
 // them: each row of x in blocks of 32 inputs, x ~ d q with d = max|x| / 127 and q = round(x / d),
-// and W's quants multiplied by q in integers with VNNI dot products (vpdpbusd: 4 unsigned bytes
-// times 4 signed bytes summed into an int32 lane). That is 64 multiply-adds an instruction where
-// the float kernel (quant_linear.cpp) does 16, and no widening of the weights to float.
+// and W's quants multiplied by q in integers, without widening the weights to float.
 //
 // What it computes is exactly sum_j w_j x~_j with x~ = d q (up to float rounding of the per-block
 // sums), so a reference needs only x~: quantize_activations returns the q and d this kernel uses.
 //
 // Layout (Int8Layout in quant_formats.h): every quant made unsigned (Q8_0 + 128; Q6_K's 6-bit q as
-// stored) so it can be vpdpbusd's unsigned operand, 4 consecutive inputs of a column in each lane;
-// per sub-block the integer sum s = sum u q then gives  d_w d_x s + m_w d_x sum q, the second term
-// carrying the offset of the format (Q4_1's m, Q4_0's -8 d, Q8_0's -128 d, ...).
+// stored), 4 consecutive inputs of a column in each 32-bit lane; per sub-block the integer sum
+// s = sum u q then gives  d_w d_x s + m_w d_x sum q, the second term carrying the offset of the
+// format (Q4_1's m, Q4_0's -8 d, Q8_0's -128 d, ...).
 //
-// Built where the compiler targets AVX512-VNNI (16 lanes) or AVX-VNNI (8 lanes, AVX2 machines);
-// elsewhere int8_gemm_available() is false and --quantized-activations int8 is refused.
+// The integer products, by what the build targets (SubBlockSum below):
+// - VNNI (AVX512-VNNI, 16 lanes; AVX-VNNI, 8 lanes): vpdpbusd, 4 unsigned bytes times 4 signed bytes
+//   summed into an int32 lane, 64 (32) multiply-adds an instruction where the float kernel
+//   (quant_linear.cpp) does 16 (8);
+// - AVX2 or AVX512BW without VNNI: vpmaddubsw (pairs of products into saturating int16 lanes,
+//   kept below 2^15; SubBlockSum says how) widened to int32 by vpmaddwd: llama.cpp's path on such
+//   CPUs (Zen 2/3, Haswell to Skylake).
+// A portable build has neither: int8_gemm_available() is false and --quantized-activations int8 is
+// refused.
 #include "quant_formats.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define METROSERVE_INT8_GEMM 1
-#elif !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#if defined(__AVX512VNNI__)
+#define METROSERVE_INT8_VNNI 1
+#endif
+#elif !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define METROSERVE_INT8_GEMM 1
+#if defined(__AVXVNNI__)
+#define METROSERVE_INT8_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -72,10 +83,22 @@ IV four(const int8_t* p) {  // 4 bytes of q in every lane
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
-IV dot(IV acc, IV u, IV q) { return _mm512_dpbusd_epi32(acc, u, q); }
 IV low4(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 IV high4(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 V to_float(IV v) { return _mm512_cvtepi32_ps(v); }
+#if defined(METROSERVE_INT8_VNNI)
+IV dot(IV acc, IV u, IV q) { return _mm512_dpbusd_epi32(acc, u, q); }
+#else
+IV pairs(IV u, IV q) { return _mm512_maddubs_epi16(u, q); }
+IV add16(IV a, IV b) { return _mm512_add_epi16(a, b); }
+IV widen(IV v) { return _mm512_madd_epi16(v, _mm512_set1_epi16(1)); }
+IV add32(IV a, IV b) { return _mm512_add_epi32(a, b); }
+IV centered(IV u) { return _mm512_xor_si512(u, _mm512_set1_epi8(-128)); }  // u - 128 as a signed byte
+IV magnitude(IV w) { return _mm512_abs_epi8(w); }
+IV signed_like(IV q, IV w) {  // q negated where w < 0 (AVX-512 has no vpsignb)
+  return _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q);
+}
+#endif
 constexpr int kTileAcc = 16;  // float plus int accumulators a tile may hold: half the 32 registers
 constexpr int kMaxRows = 4;
 #else
@@ -87,12 +110,62 @@ IV four(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
-IV dot(IV acc, IV u, IV q) { return _mm256_dpbusd_avx_epi32(acc, u, q); }
 IV low4(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 IV high4(IV v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 V to_float(IV v) { return _mm256_cvtepi32_ps(v); }
+#if defined(METROSERVE_INT8_VNNI)
+IV dot(IV acc, IV u, IV q) { return _mm256_dpbusd_avx_epi32(acc, u, q); }
+#else
+IV pairs(IV u, IV q) { return _mm256_maddubs_epi16(u, q); }
+IV add16(IV a, IV b) { return _mm256_add_epi16(a, b); }
+IV widen(IV v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
+IV add32(IV a, IV b) { return _mm256_add_epi32(a, b); }
+IV centered(IV u) { return _mm256_xor_si256(u, _mm256_set1_epi8(-128)); }
+IV magnitude(IV w) { return _mm256_abs_epi8(w); }
+IV signed_like(IV q, IV w) { return _mm256_sign_epi8(q, w); }  // (where w = 0 the product is 0 anyway)
+#endif
 constexpr int kTileAcc = 8;  // of the 16 registers
 constexpr int kMaxRows = 2;
+#endif
+
+// A sub-block's sum of u q in int32 lanes, 4 inputs of one column a lane, less bias<F>() times the
+// sum of its q (the tile adds that back with the format's offset). A byte quant u comes as what
+// split() makes of it; a nibble (u <= 15) as it is.
+#if defined(METROSERVE_INT8_VNNI)
+struct SubBlockSum {
+  struct Bytes {
+    IV u;
+  };
+  IV sum = izero();
+  template <class F>
+  static constexpr int bias() { return 0; }
+  static Bytes split(IV u) { return {u}; }
+  void add_nibbles(IV u, IV q) { sum = dot(sum, u, q); }
+  void add_bytes(Bytes b, IV q) { sum = dot(sum, b.u, q); }
+  IV total() const { return sum; }
+};
+#else
+// vpmaddubsw multiplies unsigned by signed bytes into pairs summed in saturating int16 lanes.
+// Nibbles (u <= 15): a pair is at most 2 * 15 * 127 = 3810 in magnitude, so a sub-block's 8 stay
+// below 2^15 in one int16 sum, widened once. Bytes: w = u - 128 is multiplied as |w| times q with
+// w's sign (llama.cpp's trick), a pair at most 2 * 128 * 127 < 2^15, widened at once; the sum
+// then lacks 128 sum q, the bias.
+struct SubBlockSum {
+  static constexpr int kMaxNibbleAdds = 8;
+  struct Bytes {
+    IV magnitude, sign;
+  };
+  IV nibbles = izero(), bytes = izero();  // one of the two stays 0 for a format, and compiles away
+  template <class F>
+  static constexpr int bias() { return F::kNibbles ? 0 : 128; }
+  static Bytes split(IV u) {
+    const IV w = centered(u);
+    return {magnitude(w), w};
+  }
+  void add_nibbles(IV u, IV q) { nibbles = add16(nibbles, pairs(u, q)); }
+  void add_bytes(Bytes b, IV q) { bytes = add32(bytes, widen(pairs(b.magnitude, signed_like(q, b.sign)))); }
+  IV total() const { return add32(widen(nibbles), bytes); }
+};
 #endif
 
 struct Problem {
@@ -107,22 +180,22 @@ struct Problem {
 
 // isum[s][r] += sum over the sub-block's inputs j of u[s]_j q[r]_j (q: row 0 at the sub-block).
 template <class F, int R, int S>
-inline void sub_block_dot(const int8_t* q, int64_t K, const uint8_t* const* u, IV (*isum)[R]) {
+inline void sub_block_dot(const int8_t* q, int64_t K, const uint8_t* const* u, SubBlockSum (*isum)[R]) {
   if constexpr (F::kNibbles) {
     for (int v = 0; v < F::kSub / 8; ++v)
       for (int s = 0; s < S; ++s) {
         const IV packed = iload(u[s] + v * W * 4);
         const IV lo = low4(packed), hi = high4(packed);
         for (int r = 0; r < R; ++r) {
-          isum[s][r] = dot(isum[s][r], lo, four(q + r * K + 4 * v));
-          isum[s][r] = dot(isum[s][r], hi, four(q + r * K + F::kSub / 2 + 4 * v));
+          isum[s][r].add_nibbles(lo, four(q + r * K + 4 * v));
+          isum[s][r].add_nibbles(hi, four(q + r * K + F::kSub / 2 + 4 * v));
         }
       }
   } else {
     for (int g = 0; g < F::kSub / 4; ++g)
       for (int s = 0; s < S; ++s) {
-        const IV w = iload(u[s] + g * W * 4);
-        for (int r = 0; r < R; ++r) isum[s][r] = dot(isum[s][r], w, four(q + r * K + 4 * g));
+        const SubBlockSum::Bytes w = SubBlockSum::split(iload(u[s] + g * W * 4));
+        for (int r = 0; r < R; ++r) isum[s][r].add_bytes(w, four(q + r * K + 4 * g));
       }
   }
 }
@@ -131,8 +204,11 @@ inline void sub_block_dot(const int8_t* q, int64_t K, const uint8_t* const* u, I
 template <class F, int R, int S>
 void tile(const Problem& p, int64_t row, int64_t strip) {
   static_assert(F::kSub == kAct || F::kSub == kHalf);
+#if !defined(METROSERVE_INT8_VNNI)
+  static_assert(!F::kNibbles || F::kSub / 4 <= SubBlockSum::kMaxNibbleAdds);  // int16 sums stay below 2^15
+#endif
   V acc[S][R];
-  IV isum[S][R];
+  SubBlockSum isum[S][R];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r) acc[s][r] = Vec::zero();
   const int8_t* q = p.q + row * p.K;
@@ -148,17 +224,18 @@ void tile(const Problem& p, int64_t row, int64_t strip) {
       const uint8_t* quants[S];
       for (int s = 0; s < S; ++s) {
         quants[s] = F::quants(block[s], sub);
-        for (int r = 0; r < R; ++r) isum[s][r] = izero();
+        for (int r = 0; r < R; ++r) isum[s][r] = SubBlockSum{};
       }
       sub_block_dot<F, R, S>(q + at, p.K, quants, isum);
       for (int s = 0; s < S; ++s) {
         const V dw = F::scale(block[s], sub);
-        const V mw = F::offset8(block[s], sub, dw);
+        V mw = F::offset8(block[s], sub, dw);
+        if constexpr (SubBlockSum::bias<F>() != 0) mw = Vec::fma(dw, Vec::set1(SubBlockSum::bias<F>()), mw);
         for (int r = 0; r < R; ++r) {
           const float* d = p.d + (row + r) * ld + at / kAct;
           const float* sums = p.s + (row + r) * lds + at / kHalf;
           const float sum = F::kSub == kHalf ? sums[0] : sums[0] + sums[1];
-          acc[s][r] = Vec::fma(Vec::mul(dw, Vec::broadcast(d)), to_float(isum[s][r]), acc[s][r]);
+          acc[s][r] = Vec::fma(Vec::mul(dw, Vec::broadcast(d)), to_float(isum[s][r].total()), acc[s][r]);
           acc[s][r] = Vec::fma(mw, Vec::set1(sum), acc[s][r]);
         }
       }
@@ -169,7 +246,7 @@ void tile(const Problem& p, int64_t row, int64_t strip) {
 }
 
 // `rows` (<= R) rows over `strips` (<= kGroup) strips, in tiles of as many strips as the
-// accumulators (two a row and strip) allow.
+// accumulators (a float and an int one a row and strip) allow.
 template <class F, int R>
 void tiles(int rows, int strips, const Problem& p, int64_t row, int64_t strip) {
   if constexpr (R > 1) {
@@ -221,7 +298,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 
 // raw [N, K / block * block bytes] GGML rows -> the int8 kernel's strips (pack_quant_weight's twin).
 torch::Tensor pack_quant_weight_int8(torch::Tensor raw, int64_t qtype, int64_t K) {
-  TORCH_CHECK(int8_gemm_available(), "pack_quant_weight_int8: this build has no VNNI (int8_gemm_available())");
+  TORCH_CHECK(int8_gemm_available(), "pack_quant_weight_int8: this build has no int8 products (portable; int8_gemm_available())");
   return dispatch(qtype, "pack_quant_weight_int8", [&](auto f) {
     using F = decltype(f);
     check_raw<F>(raw, K, "pack_quant_weight_int8");
@@ -237,7 +314,7 @@ torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor packed, int64_t q
 #if defined(METROSERVE_INT8_GEMM)
   return dispatch(qtype, "quant_linear_int8", [&](auto f) { return linear<decltype(f)>(x, packed, N); });
 #else
-  TORCH_CHECK(false, "quant_linear_int8: this build has no VNNI (int8_gemm_available())");
+  TORCH_CHECK(false, "quant_linear_int8: this build has no int8 products (portable; int8_gemm_available())");
   return {};
 #endif
 }
