@@ -7,6 +7,8 @@ prefill is not in it (TTFT is reported apart). Peers, each in a fresh process, r
 other on the same threads:
 - engine: metroserve as a user starts it on the file (its default --quantization: the GGUF's own
   quantized matrices served quantized, multiplied by exact float32 activations);
+- engine-python-layers: the same, with decode steps' layers run by the Python loop instead of one
+  C++ call (worker/fused_decode.py): what the fused path saves;
 - engine-int8-inputs: the same with --quantized-activations int8 (activations rounded to int8 and
   multiplied in integers, as llama.cpp does; x86 with AVX2 or AVX-512);
 - engine-fp32: the same with --quantization none (every weight dequantized to float32: the engine
@@ -66,13 +68,15 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _engine_peer(model: str | None, options: dict[str, str], prompt: list[int], max_tokens: int, repeats: int,
-                 conn) -> None:
+def _engine_peer(model: str | None, options: dict[str, str], fused: bool, prompt: list[int], max_tokens: int,
+                 repeats: int, conn) -> None:
     from metroserve import LLM, SamplingParams
 
     before = _rss_bytes()
     llm = LLM(model, kv_cache_memory="256MiB", max_num_seqs=8, **options)
     rss = _rss_bytes() - before
+    if not fused:  # the ablation: decode steps run the layers through the Python loop
+        llm.engine.model.fused_decode = None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine = llm.engine
     runs = []
@@ -90,12 +94,13 @@ def _engine_peer(model: str | None, options: dict[str, str], prompt: list[int], 
     conn.send({"runs": runs[1:], "weights_bytes": engine.model.resident_bytes(), "rss_bytes": rss})
 
 
-def _run_engine(model: str | None, options: dict[str, str], prompt: list[int], max_tokens: int,
+def _run_engine(model: str | None, options: dict[str, str], fused: bool, prompt: list[int], max_tokens: int,
                 repeats: int) -> dict[str, Any]:
-    """A fresh process running the engine with these EngineConfig options."""
+    """A fresh process running the engine with these EngineConfig options (fused: decode steps' layers in
+    one C++ call where the model has it, worker/fused_decode.py; False runs them in Python)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine_peer, args=(model, options, prompt, max_tokens, repeats, child))
+    proc = ctx.Process(target=_engine_peer, args=(model, options, fused, prompt, max_tokens, repeats, child))
     proc.start()
     while not parent.poll(1):
         if not proc.is_alive():
@@ -151,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tokenizer.encode(text, add_special_tokens=False)
     threads = torch.get_num_threads()
     peers: dict[str, dict[str, Any]] = {}
-    engines: list[tuple[str, dict[str, str]]] = [("engine", {}), ("engine-fp32", {"quantization": "none"})]
+    engines: list[tuple[str, dict[str, str], bool]] = [
+        ("engine", {}, True), ("engine-python-layers", {}, False), ("engine-fp32", {"quantization": "none"}, True)]
     kernels = load_cpu_kernels()
     if kernels is not None and kernels.int8_gemm_available():
-        engines.insert(1, ("engine-int8-inputs", {"quantized_activations": "int8"}))
-    for name, options in engines:
-        peers[name] = _summary(_run_engine(args.model, options, prompt, args.max_tokens, args.repeats))
+        engines.insert(2, ("engine-int8-inputs", {"quantized_activations": "int8"}, True))
+    for name, options, fused in engines:
+        peers[name] = _summary(_run_engine(args.model, options, fused, prompt, args.max_tokens, args.repeats))
     if args.llama_cpp_python:
         peers["llama.cpp"] = _summary(_run_llama_cpp(args.llama_cpp_python, model_path, threads, prompt,
                                                      args.max_tokens, args.repeats, args.llama_cpp_n_batch))
