@@ -101,8 +101,8 @@ def test_model_with_kernels_matches_torch_path(kernels, tiny_model_dir):
 
 # The engine's build targets this machine (-march=native: AVX-512 here); these take the kernels'
 # AVX2 paths (vec.h's 8-lane tiles) and their portable loops. Attention and the quantized GEMM only
-# (tests/test_quant_linear.py tests the latter), built once per machine and source change (about a
-# minute each on 2 cores) into the kernel cache.
+# (tests/test_quant_linear.py tests the latter), built once per machine and source change (about
+# 30 s each on 2 cores) into the kernel cache.
 ISA_MARCH = {"avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
 # Builds for the int8-activation GEMM's other paths (tests/test_quant_linear.py), each run where the
 # CPU can: AVX-VNNI dot products on an AVX2 machine, and AVX-512 without VNNI (byte products in

@@ -3,8 +3,10 @@ elementwise steps (csrc/layer_ops.cpp), the small-batch projection GEMM (csrc/pa
 its counterparts over GGUF-quantized weights (csrc/quant_linear*.cpp) and a decode step's layers in
 one call (csrc/decode_stack.cpp, worker/fused_decode.py), float32 arithmetic.
 
-One extension, built with torch's C++ extension loader (about 2 minutes on 2 cores) by
-scripts/setup.sh (`python -m metroserve.worker.cpu_kernels`), else on the first engine start. Builds
+One extension, built with torch's C++ extension loader (under a minute on 2 cores) by
+scripts/setup.sh (`python -m metroserve.worker.cpu_kernels`), else on the first engine start. The
+sources include ATen's tensor and factory headers (and torch's pybind casters where they bind),
+never <torch/extension.h>: parsing that alone took 27 s a file, most of a 164 s build. Builds
 live under <cache root>/kernels (~/.cache/metroserve, or $METROSERVE_CACHE) in a folder keyed by
 everything the library depends on, so checkouts, compilers and torch versions never overwrite each
 other's builds, and a file lock per key makes processes that start together build once. Where it
@@ -41,7 +43,7 @@ SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "paged_pr
                                          "quant_linear_int8.cpp", "decode_stack.cpp", "bindings.cpp"))
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-BUILDING = "building CPU kernels (about 2 minutes, once per checkout and machine)..."
+BUILDING = "building CPU kernels (about a minute, once per checkout and machine)..."
 
 _kernels: ModuleType | None = None
 _failed = False

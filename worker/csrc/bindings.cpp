@@ -1,28 +1,30 @@
 // The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention, the layer's fused
 // elementwise steps, the small-batch projection GEMM, the GEMMs over GGUF-quantized weights and the
-// decode step's layers in one call (DecodeStack), one build. With METROSERVE_ISA_TEST_BUILD defined, attention and the quantized GEMM alone: the tests
-// build them so for the instruction sets this machine does not select (tests/test_cpu_kernels.py).
-#include <torch/extension.h>
+// decode step's layers in one call (DecodeStack), one build. With METROSERVE_ISA_TEST_BUILD defined,
+// attention and the quantized GEMM alone: the tests build them so for the instruction sets this
+// machine does not select (tests/test_cpu_kernels.py).
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                      int64_t sliding_window, double softcap);
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                             torch::Tensor query_start, torch::Tensor query_lens, torch::Tensor seq_lens, double scale,
-                             int64_t sliding_window, double softcap, torch::Tensor out);
-torch::Tensor pack_quant_weight(torch::Tensor raw, int64_t qtype, int64_t K);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N);
+void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                             at::Tensor query_start, at::Tensor query_lens, at::Tensor seq_lens, double scale,
+                             int64_t sliding_window, double softcap, at::Tensor out);
+at::Tensor pack_quant_weight(at::Tensor raw, int64_t qtype, int64_t K);
+at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
 bool int8_gemm_available();
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x);
-torch::Tensor pack_quant_weight_int8(torch::Tensor raw, int64_t qtype, int64_t K);
-torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N);
+std::vector<at::Tensor> quantize_activations(at::Tensor x);
+at::Tensor pack_quant_weight_int8(at::Tensor raw, int64_t qtype, int64_t K);
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
 #ifndef METROSERVE_ISA_TEST_BUILD
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rotary_embedding(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor pack_linear_weight(torch::Tensor w);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+void rotary_embedding(at::Tensor x, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin);
+at::Tensor pack_linear_weight(at::Tensor w);
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features);
 void register_decode_stack(pybind11::module& m);
 #endif
 

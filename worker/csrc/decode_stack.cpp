@@ -9,49 +9,51 @@
 // projection, RMSNorm, SiLU-gated MLP), projections quantized (quant_linear / quant_linear_int8
 // parts) or in float32 panels (packed_linear). Query rows only: every row of the flat batch
 // attends as one token (decodes, speculative verification rows); prefill chunks take the Python path.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/ops/empty.h>
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                      int64_t sliding_window, double softcap);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N);
-torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rotary_embedding(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+void rotary_embedding(at::Tensor x, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin);
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features);
 
 namespace {
 
 constexpr int64_t kPanels = -1;  // a part's qtype when its tensor is packed_linear's float32 panels
 
 // (packed tensor, GGML type or kPanels, output rows, int8 inputs): one row range of a projection.
-using Part = std::tuple<torch::Tensor, int64_t, int64_t, bool>;
+using Part = std::tuple<at::Tensor, int64_t, int64_t, bool>;
 
 struct Projection {
   std::vector<Part> parts;
-  std::optional<torch::Tensor> bias;
+  std::optional<at::Tensor> bias;
 
-  static torch::Tensor part(const Part& p, const torch::Tensor& x) {
+  static at::Tensor part(const Part& p, const at::Tensor& x) {
     const auto& [packed, qtype, rows, int8] = p;
     if (qtype == kPanels) return packed_linear(x, packed, rows);
     return int8 ? quant_linear_int8(x, packed, qtype, rows) : quant_linear(x, packed, qtype, rows);
   }
 
   // x [T, in] contiguous -> [T, out]: QuantizedWeight.__call__ and Linear.forward's order.
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor out;
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor out;
     if (parts.size() == 1) {
       out = part(parts[0], x);
     } else {
       int64_t total = 0;
       for (const Part& p : parts) total += std::get<2>(p);
-      out = torch::empty({x.size(0), total}, x.options());
+      out = at::empty({x.size(0), total}, x.options());
       int64_t row = 0;
       for (const Part& p : parts) {
         const int64_t rows = std::get<2>(p);
@@ -64,11 +66,11 @@ struct Projection {
 };
 
 struct Layer {
-  torch::Tensor input_norm, post_attention_norm;  // offset + weight, as RMSNorm.kernel_weight
+  at::Tensor input_norm, post_attention_norm;  // offset + weight, as RMSNorm.kernel_weight
   Projection qkv, o, gate_up, down;
   double scale, softcap;
   int64_t sliding_window;  // keys a query sees at most; 0: all
-  torch::Tensor k_pool, v_pool;  // [num_blocks, block_size, Hkv, D]
+  at::Tensor k_pool, v_pool;  // [num_blocks, block_size, Hkv, D]
 };
 
 class DecodeStack {
@@ -77,9 +79,9 @@ class DecodeStack {
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {}
 
   // Appends the next layer; each projection a list of parts, in output-row order.
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, std::vector<std::vector<Part>> projections,
-                 std::vector<std::optional<torch::Tensor>> biases, double scale, int64_t sliding_window, double softcap,
-                 torch::Tensor k_pool, torch::Tensor v_pool) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, std::vector<std::vector<Part>> projections,
+                 std::vector<std::optional<at::Tensor>> biases, double scale, int64_t sliding_window, double softcap,
+                 at::Tensor k_pool, at::Tensor v_pool) {
     TORCH_CHECK(projections.size() == 4 && biases.size() == 4, "add_layer: qkv, o, gate_up and down");
     auto projection = [&](int i) { return Projection{std::move(projections[i]), std::move(biases[i])}; };
     layers_.push_back({input_norm.contiguous(), post_attention_norm.contiguous(), projection(0), projection(1),
@@ -89,22 +91,22 @@ class DecodeStack {
   // x [T, hidden] (the embeddings; becomes the residual stream), cos/sin [T, D / 2], slot_mapping [T],
   // block_tables [T, max_blocks], seq_lens [T] -> (last layer's MLP output, residual stream), as
   // DecoderLayer.forward returns them.
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                                   torch::Tensor seq_lens) const {
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                                   at::Tensor slot_mapping, at::Tensor block_tables,
+                                                   at::Tensor seq_lens) const {
     const int64_t T = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    torch::Tensor residual = x, h;
+    at::Tensor residual = x, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       h = i == 0 ? rms_norm(x, l.input_norm, eps_) : add_rms_norm(x, residual, l.input_norm, eps_);
-      torch::Tensor qkv = l.qkv(h);
+      at::Tensor qkv = l.qkv(h);
       rotary_embedding(qkv, heads_ + kv_heads_, head_dim_, cos, sin);
-      const torch::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, heads_, head_dim_});
+      const at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, heads_, head_dim_});
       l.k_pool.view({-1, kv_heads_, head_dim_})
           .index_copy_(0, slot_mapping, qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_}));
       l.v_pool.view({-1, kv_heads_, head_dim_})
           .index_copy_(0, slot_mapping, qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_}));
-      const torch::Tensor attn = paged_decode_attention(q.contiguous(), l.k_pool, l.v_pool, block_tables, seq_lens,
+      const at::Tensor attn = paged_decode_attention(q.contiguous(), l.k_pool, l.v_pool, block_tables, seq_lens,
                                                         l.scale, l.sliding_window, l.softcap);
       h = add_rms_norm(l.o(attn.view({T, q_size})), residual, l.post_attention_norm, eps_);
       x = l.down(silu_and_mul(l.gate_up(h)));

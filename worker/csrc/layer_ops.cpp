@@ -3,7 +3,8 @@
 // In torch each is 3-6 separate ops over [tokens, hidden] tensors; for a 2048-token prefill step
 // of SmolLM2 they took about 0.25 s of 2.7 s on a 2-core Zen 4. Same formulas and the same
 // float32 arithmetic as Hugging Face's Llama, so results differ from torch's only in rounding.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 
@@ -12,8 +13,8 @@ namespace {
 // Rows per parallel task: enough work per task to hide the fork, small rows still spread.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1,
               name, ": float32 [rows, n] with contiguous rows");
 }
 
@@ -29,10 +30,10 @@ void norm_row(const float* x, const float* w, float eps, int64_t n, float* out) 
 }  // namespace
 
 // out = weight * x / sqrt(mean(x^2) + eps), row by row.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -44,12 +45,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // residual += x (in place), then returns rms_norm(residual): the residual add and the next norm in one pass.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_rows(x, "add_rms_norm");
   check_rows(residual, "add_rms_norm residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual shapes differ");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.contiguous().data_ptr<float>();
@@ -68,10 +69,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 }
 
 // [rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up, with silu(g) = g / (1 + exp(-g)).
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, n}, gate_up.options());
+  auto out = at::empty({rows, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
@@ -90,7 +91,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // Rotates the first `heads` heads of every row of x ([rows, >= heads * D], rows contiguous) in
 // place, in Llama's half-split layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with
 // cos/sin [rows, D/2] per token.
-void rotary_embedding(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
+void rotary_embedding(at::Tensor x, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin) {
   check_rows(x, "rotary_embedding");
   TORCH_CHECK(x.size(1) >= heads * head_dim, "rotary_embedding: rows shorter than heads * head_dim");
   auto c = cos.contiguous(), s = sin.contiguous();

@@ -7,7 +7,9 @@
 // and each panel is swept by register tiles of up to kTileRows rows x one panel over the whole K:
 // two vector loads of the panel and one broadcast per row per k, nothing else in the inner loop.
 // A panel (K x 128 B with AVX-512) stays in L2 while every row tile of the step passes over it.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 
@@ -64,24 +66,24 @@ void tile_up_to(int rows, const float* x, int64_t ldx, const float* panel, int64
 }  // namespace
 
 // w [N, K] -> [ceil(N / panel), K, panel], zero-padded past N. The panel width is this build's.
-torch::Tensor pack_linear_weight(torch::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2, "pack_linear_weight: float32 [N, K]");
+at::Tensor pack_linear_weight(at::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_linear_weight: float32 [N, K]");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({panels * kPanel, K}, w.options());
+  auto padded = at::zeros({panels * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
 // x [M, K] (rows contiguous) times a packed weight of `out_features` columns: [M, out_features].
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "packed_linear: x must be float32 [M, K] with contiguous rows");
-  TORCH_CHECK(packed.scalar_type() == torch::kFloat32 && packed.dim() == 3 && packed.size(2) == kPanel &&
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPanel &&
                   packed.size(1) == x.size(1) && packed.is_contiguous(),
               "packed_linear: the weight is not packed for this x (pack_linear_weight)");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = out_features;
   TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, "packed_linear: out_features does not match");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -17,7 +17,8 @@
 // A sliding window (Mistral, Gemma) limits a query to its last `sliding_window` keys: the task's
 // row table starts at the first of them, so the loops below never see, nor fetch, older keys.
 // Soft-capping (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -156,16 +157,16 @@ static void decode_task(const float* qb, const float* kp, const float* vp, const
   weighted_values<D>(vp, rows, L, NQ, G, scores, sums, ob);
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] float32
-                                     torch::Tensor k_cache,      // [num_blocks, block_size, Hkv, D]
-                                     torch::Tensor v_cache,      // same
-                                     torch::Tensor block_tables, // [B, max_blocks] int64
-                                     torch::Tensor seq_lens,     // [B] int64
+at::Tensor paged_decode_attention(at::Tensor q,            // [B, H, D] float32
+                                     at::Tensor k_cache,      // [num_blocks, block_size, Hkv, D]
+                                     at::Tensor v_cache,      // same
+                                     at::Tensor block_tables, // [B, max_blocks] int64
+                                     at::Tensor seq_lens,     // [B] int64
                                      double scale,
                                      int64_t sliding_window,     // keys each query sees at most; 0: all
                                      double softcap) {           // 0: none
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
@@ -173,7 +174,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,            // [B, H, D] fl
   TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "head_dim must be 16, 32, 64, 128 or 256");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();

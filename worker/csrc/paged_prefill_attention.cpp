@@ -18,7 +18,7 @@
 // a tile that some row's window has left is masked below too. Such tiles, and every tile when
 // scores are soft-capped (the cap comes before the mask), are finished in a pass over the stored
 // score rows (finish_tile) instead of in registers: the plain causal tiles stay as they were.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -253,19 +253,19 @@ void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float*
 
 // Chunk i's query rows are q[query_start[i] : query_start[i] + query_lens[i]], at positions
 // seq_lens[i] - query_lens[i] onwards; their K/V are already in the pool. Writes into out.
-void paged_prefill_attention(torch::Tensor q,             // [T, H, D] float32, rows may be strided
-                             torch::Tensor k_cache,       // [num_blocks, block_size, Hkv, D]
-                             torch::Tensor v_cache,       // same
-                             torch::Tensor block_tables,  // [num_chunks, max_blocks] int64
-                             torch::Tensor query_start,   // [num_chunks] int64
-                             torch::Tensor query_lens,    // [num_chunks] int64
-                             torch::Tensor seq_lens,      // [num_chunks] int64
+void paged_prefill_attention(at::Tensor q,             // [T, H, D] float32, rows may be strided
+                             at::Tensor k_cache,       // [num_blocks, block_size, Hkv, D]
+                             at::Tensor v_cache,       // same
+                             at::Tensor block_tables,  // [num_chunks, max_blocks] int64
+                             at::Tensor query_start,   // [num_chunks] int64
+                             at::Tensor query_lens,    // [num_chunks] int64
+                             at::Tensor seq_lens,      // [num_chunks] int64
                              double scale,
                              int64_t sliding_window,      // keys each query sees at most; 0: all
                              double softcap,              // 0: none
-                             torch::Tensor out) {         // [T, H, D] float32, rows may be strided
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
+                             at::Tensor out) {         // [T, H, D] float32, rows may be strided
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_prefill_attention: float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous K/V pools");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),

@@ -3,7 +3,8 @@
 // layouts (strips of W output columns; see the two kernels for why each is so) and where a
 // block's scales, offsets and quants lie in them. Header-only, one copy per translation unit.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
@@ -77,12 +78,12 @@ V uint8s(const uint8_t* p) { return Vec::map([&](int i) { return static_cast<flo
 // packed for one kernel is refused by the other.
 struct FloatLayout {
   static constexpr bool kInt8 = false;
-  static constexpr auto kDtype = torch::kUInt8;
+  static constexpr auto kDtype = at::kByte;
   static int at(int j, int c) { return j * W + c; }
 };
 struct Int8Layout {
   static constexpr bool kInt8 = true;
-  static constexpr auto kDtype = torch::kInt8;
+  static constexpr auto kDtype = at::kChar;
   static int at(int j, int c) { return (j / 4 * W + c) * 4 + j % 4; }
 };
 
@@ -184,14 +185,14 @@ constexpr int64_t kStripBlock = W * F::kPacked;
 
 // Validation shared by both kernels' entry points.
 template <class F>
-void check_raw(const torch::Tensor& raw, int64_t K, const char* what) {
-  TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && K > 0 &&
+void check_raw(const at::Tensor& raw, int64_t K, const char* what) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && K > 0 &&
                   K % F::kBlock == 0 && raw.size(1) == K / F::kBlock * F::kRaw,
               what, ": raw must be contiguous uint8 [N, K / ", F::kBlock, " * ", F::kRaw, "] with K = ", K,
               " a multiple of ", F::kBlock);
 }
 template <class F, class L>
-void check_packed(const torch::Tensor& packed, int64_t K, int64_t N, const char* what) {
+void check_packed(const at::Tensor& packed, int64_t K, int64_t N, const char* what) {
   const int64_t strips = (N + W - 1) / W;
   TORCH_CHECK(packed.scalar_type() == L::kDtype && K % F::kBlock == 0 && packed.dim() == 3 &&
                   packed.size(0) == strips && packed.size(1) == K / F::kBlock && packed.size(2) == kStripBlock<F> &&
@@ -225,9 +226,9 @@ void sweep(int64_t M, int64_t strips, int tile_rows, Fn&& tile) {
 
 // raw [N, blocks * F::kRaw] GGML rows -> [strips, blocks, kStripBlock<F>] in layout L.
 template <class F, class L>
-torch::Tensor pack(const torch::Tensor& raw, int64_t blocks) {
+at::Tensor pack(const at::Tensor& raw, int64_t blocks) {
   const int64_t N = raw.size(0), strips = (N + W - 1) / W, row_bytes = blocks * F::kRaw;
-  torch::Tensor packed = torch::zeros({strips, blocks, kStripBlock<F>}, raw.options().dtype(L::kDtype));
+  at::Tensor packed = at::zeros({strips, blocks, kStripBlock<F>}, raw.options().dtype(L::kDtype));
   const uint8_t* src = raw.data_ptr<uint8_t>();
   auto* dst = static_cast<uint8_t*>(packed.data_ptr());
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {

@@ -18,6 +18,8 @@
 // M takes 4 strips a tile so that enough independent accumulation chains hide the FMA latency;
 // large M (prefill) takes full row tiles per strip, re-widening each strip once per row tile,
 // which is small next to the R FMAs per widened vector.
+#include <ATen/ops/empty.h>
+
 #include "quant_formats.h"
 
 namespace {
@@ -112,10 +114,10 @@ void run(const Problem& p) {
 }
 
 template <class F>
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / F::kBlock, strips = (N + W - 1) / W;
   check_packed<F, FloatLayout>(packed, K, N, "quant_linear");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   const int64_t sums = K / kSum;
@@ -138,7 +140,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 }  // namespace
 
 // raw [N, K / block * block bytes]: N rows of GGML blocks as a GGUF file stores them -> this build's strips.
-torch::Tensor pack_quant_weight(torch::Tensor raw, int64_t qtype, int64_t K) {
+at::Tensor pack_quant_weight(at::Tensor raw, int64_t qtype, int64_t K) {
   return dispatch(qtype, "pack_quant_weight", [&](auto f) {
     using F = decltype(f);
     check_raw<F>(raw, K, "pack_quant_weight");
@@ -147,8 +149,8 @@ torch::Tensor pack_quant_weight(torch::Tensor raw, int64_t qtype, int64_t K) {
 }
 
 // x [M, K] (rows contiguous) times the packed weight of N output columns: [M, N], float32.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear: x must be float32 [M, K] with contiguous rows");
   return dispatch(qtype, "quant_linear", [&](auto f) { return linear<decltype(f)>(x, packed, N); });
 }

@@ -19,6 +19,8 @@
 //   CPUs (Zen 2/3, Haswell to Skylake).
 // A portable build has neither: int8_gemm_available() is false and --quantized-activations int8 is
 // refused.
+#include <ATen/ops/empty.h>
+
 #include "quant_formats.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -41,13 +43,13 @@ constexpr int kHalf = 16;  // inputs per activation sum (Q6_K's sub-block)
 // x rounded to int8 per kAct inputs: q [M, K], d [M, K / kAct] (x ~ d q), s [M, K / kHalf] (d times
 // the sum of each kHalf q's: what the offsets multiply).
 struct Int8Rows {
-  torch::Tensor q, d, s;
+  at::Tensor q, d, s;
 };
 
-Int8Rows quantize_rows(const torch::Tensor& x) {
+Int8Rows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  Int8Rows r{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kAct}, torch::kFloat32),
-             torch::empty({M, K / kHalf}, torch::kFloat32)};
+  Int8Rows r{at::empty({M, K}, at::kChar), at::empty({M, K / kAct}, at::kFloat),
+             at::empty({M, K / kHalf}, at::kFloat)};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = r.q.data_ptr<int8_t>();
   float* dp = r.d.data_ptr<float>();
@@ -266,10 +268,10 @@ void run(const Problem& p) {
 }
 
 template <class F>
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / F::kBlock, strips = (N + W - 1) / W;
   check_packed<F, Int8Layout>(packed, K, N, "quant_linear_int8");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const Int8Rows a = quantize_rows(x);
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   run<F>({a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(), a.s.data_ptr<float>(), K, M, w, blocks, strips, N,
@@ -289,15 +291,15 @@ bool int8_gemm_available() {
 }
 
 // x [M, K] float32 (K a multiple of 32) -> (q int8 [M, K], d float32 [M, K / 32]): x ~ d q per 32 inputs.
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kAct == 0,
+std::vector<at::Tensor> quantize_activations(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kAct == 0,
               "quantize_activations: x must be float32 [M, K] with contiguous rows and K a multiple of 32");
   Int8Rows r = quantize_rows(x);
   return {r.q, r.d};
 }
 
 // raw [N, K / block * block bytes] GGML rows -> the int8 kernel's strips (pack_quant_weight's twin).
-torch::Tensor pack_quant_weight_int8(torch::Tensor raw, int64_t qtype, int64_t K) {
+at::Tensor pack_quant_weight_int8(at::Tensor raw, int64_t qtype, int64_t K) {
   TORCH_CHECK(int8_gemm_available(), "pack_quant_weight_int8: this build has no int8 products (portable; int8_gemm_available())");
   return dispatch(qtype, "pack_quant_weight_int8", [&](auto f) {
     using F = decltype(f);
@@ -308,8 +310,8 @@ torch::Tensor pack_quant_weight_int8(torch::Tensor raw, int64_t qtype, int64_t K
 
 // x [M, K] float32 (rows contiguous) rounded to int8 per 32 inputs, times the packed weight of N
 // output columns: [M, N] float32.
-torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear_int8: x must be float32 [M, K] with contiguous rows");
 #if defined(METROSERVE_INT8_GEMM)
   return dispatch(qtype, "quant_linear_int8", [&](auto f) { return linear<decltype(f)>(x, packed, N); });
