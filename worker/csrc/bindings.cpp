@@ -3,29 +3,12 @@
 // decode step's layers in one call (DecodeStack), one build. With METROSERVE_ISA_TEST_BUILD defined,
 // attention and the quantized GEMM alone: the tests build them so for the instruction sets this
 // machine does not select (tests/test_cpu_kernels.py).
-#include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                     int64_t sliding_window, double softcap);
-void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                             at::Tensor query_start, at::Tensor query_lens, at::Tensor seq_lens, double scale,
-                             int64_t sliding_window, double softcap, at::Tensor out);
-at::Tensor pack_quant_weight(at::Tensor raw, int64_t qtype, int64_t K);
-at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
-bool int8_gemm_available();
-std::vector<at::Tensor> quantize_activations(at::Tensor x);
-at::Tensor pack_quant_weight_int8(at::Tensor raw, int64_t qtype, int64_t K);
-at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
+#include "kernels.h"
+
 #ifndef METROSERVE_ISA_TEST_BUILD
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-at::Tensor silu_and_mul(at::Tensor gate_up);
-void rotary_embedding(at::Tensor x, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin);
-at::Tensor pack_linear_weight(at::Tensor w);
-at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features);
-void register_decode_stack(pybind11::module& m);
+void register_decode_stack(pybind11::module& m);  // decode_stack.cpp
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -9,24 +9,14 @@
 // projection, RMSNorm, SiLU-gated MLP), projections quantized (quant_linear / quant_linear_int8
 // parts) or in float32 panels (packed_linear). Query rows only: every row of the flat batch
 // attends as one token (decodes, speculative verification rows); prefill chunks take the Python path.
-#include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 #include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                     int64_t sliding_window, double softcap);
-at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
-at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-at::Tensor silu_and_mul(at::Tensor gate_up);
-void rotary_embedding(at::Tensor x, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin);
-at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features);
+#include "kernels.h"
 
 namespace {
 
@@ -91,9 +81,8 @@ class DecodeStack {
   // x [T, hidden] (the embeddings; becomes the residual stream), cos/sin [T, D / 2], slot_mapping [T],
   // block_tables [T, max_blocks], seq_lens [T] -> (last layer's MLP output, residual stream), as
   // DecoderLayer.forward returns them.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                                                   at::Tensor slot_mapping, at::Tensor block_tables,
-                                                   at::Tensor seq_lens) const {
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                                             at::Tensor block_tables, at::Tensor seq_lens) const {
     const int64_t T = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     at::Tensor residual = x, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -107,7 +96,7 @@ class DecodeStack {
       l.v_pool.view({-1, kv_heads_, head_dim_})
           .index_copy_(0, slot_mapping, qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_}));
       const at::Tensor attn = paged_decode_attention(q.contiguous(), l.k_pool, l.v_pool, block_tables, seq_lens,
-                                                        l.scale, l.sliding_window, l.softcap);
+                                                     l.scale, l.sliding_window, l.softcap);
       h = add_rms_norm(l.o(attn.view({T, q_size})), residual, l.post_attention_norm, eps_);
       x = l.down(silu_and_mul(l.gate_up(h)));
     }

@@ -158,13 +158,13 @@ static void decode_task(const float* qb, const float* kp, const float* vp, const
 }
 
 at::Tensor paged_decode_attention(at::Tensor q,            // [B, H, D] float32
-                                     at::Tensor k_cache,      // [num_blocks, block_size, Hkv, D]
-                                     at::Tensor v_cache,      // same
-                                     at::Tensor block_tables, // [B, max_blocks] int64
-                                     at::Tensor seq_lens,     // [B] int64
-                                     double scale,
-                                     int64_t sliding_window,     // keys each query sees at most; 0: all
-                                     double softcap) {           // 0: none
+                                  at::Tensor k_cache,      // [num_blocks, block_size, Hkv, D]
+                                  at::Tensor v_cache,      // same
+                                  at::Tensor block_tables, // [B, max_blocks] int64
+                                  at::Tensor seq_lens,     // [B] int64
+                                  double scale,
+                                  int64_t sliding_window,     // keys each query sees at most; 0: all
+                                  double softcap) {           // 0: none
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
