@@ -217,10 +217,8 @@ void tile(const Problem& p, int64_t row, int64_t strip) {
   const int64_t ld = p.K / kAct, lds = p.K / kHalf;
   for (int64_t b = 0; b < p.blocks; ++b) {
     const uint8_t* block[S];
-    for (int s = 0; s < S; ++s) {
-      block[s] = p.w + ((strip + s) * p.blocks + b) * kStripBlock<F>;
-      for (int64_t c = 0; c < kStripBlock<F>; c += 64) __builtin_prefetch(block[s] + kAhead + c, 0, 2);
-    }
+    for (int s = 0; s < S; ++s) block[s] = p.w + ((strip + s) * p.blocks + b) * kStripBlock<F>;
+    prefetch_next_tile<F, S>(block, p.blocks);
     for (int sub = 0; sub < F::kBlock / F::kSub; ++sub) {
       const int64_t at = b * F::kBlock + sub * F::kSub;  // the sub-block's first input
       const uint8_t* quants[S];
