@@ -49,7 +49,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from metroserve import LLM, SamplingParams
 from metroserve.benchmarks.workload import build_chat_workload
-from metroserve.worker.config import QUANTIZATION_CHOICES, QUANTIZED_ACTIVATIONS_CHOICES, EngineConfig
+from metroserve.worker.config import (
+    KV_CACHE_DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    QUANTIZED_ACTIVATIONS_CHOICES,
+    EngineConfig,
+)
 from metroserve.worker.model_files import resolve_model_dir
 
 PEERS = ("engine", "hf-static", "hf-cb", "vllm")
@@ -147,12 +152,12 @@ def load_hf_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> 
 def run_engine(model: str | None, prompts: list[list[int]], warmup: list[int], max_tokens: int,
                eos_ids: list[int], device: torch.device, dtype: torch.dtype,
                speculative_config: str | None = None, quantization: str | None = None,
-               quantized_activations: str = "float32") -> PeerResult:
+               quantized_activations: str = "float32", kv_cache_dtype: str = "auto") -> PeerResult:
     """metroserve's LLM.generate over all prompts at once; reports KV efficiency, prefix-cache hits and,
     with speculative decoding, its draft counters."""
     dtype_name = next(name for name, d in _DTYPES.items() if d == dtype)
     llm = LLM(model=model, device=device.type, dtype=dtype_name, speculative_config=speculative_config,
-              quantization=quantization, quantized_activations=quantized_activations)
+              quantization=quantization, quantized_activations=quantized_activations, kv_cache_dtype=kv_cache_dtype)
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     before = llm.engine.stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -324,7 +329,8 @@ def _run_peer(peer: str, args: argparse.Namespace, model_dir: Path, prompts: lis
     """One peer's run, in its own process."""
     if peer == "engine":
         return run_engine(args.model, prompts, warmup, args.max_tokens, eos_ids, device, dtype,
-                          args.speculative_config, args.quantization, args.quantized_activations)
+                          args.speculative_config, args.quantization, args.quantized_activations,
+                          args.kv_cache_dtype)
     if peer == "hf-static":
         return run_hf_static(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.hf_batch_size,
                              device, dtype)
@@ -372,6 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Q4_1 matrices served quantized; the transformers peers run the dequantized weights)")
     parser.add_argument("--quantized-activations", default="float32", choices=QUANTIZED_ACTIVATIONS_CHOICES,
                         help="the engine peer's --quantized-activations (int8: integer products, opt-in)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="the engine peer's --kv-cache-dtype (bfloat16: half the KV bytes, opt-in)")
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -440,6 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model_dir": str(model_dir), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization, "quantized_activations": args.quantized_activations,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
         "max_tokens": args.max_tokens, "seed": args.seed, "prompt_tokens": sum(map(len, prompts)),
         "prompt_len_min": min(map(len, prompts)), "prompt_len_max": max(map(len, prompts)), "peers": {},

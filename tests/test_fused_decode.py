@@ -1,7 +1,7 @@
 """A decode step's layers in one C++ call (worker/fused_decode.py) compute bitwise what the Python
 layer loop computes: every step's logits equal with the stack and without it, on quantized weights
-(float32 and int8 inputs), float32 panels, biases and sliding windows, with speculative verification
-rows; and it is taken only by the layers it implements."""
+(float32 and int8 inputs), float32 panels, a bfloat16 KV pool, biases and sliding windows, with
+speculative verification rows; and it is taken only by the layers it implements."""
 
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def assert_fused_equals_python(llm: LLM, prompts: list[list[int]]) -> None:
     assert len(fused) == len(python) and all(torch.equal(a, b) for a, b in zip(fused, python))
 
 
-@pytest.mark.parametrize("options", [{}, {"quantized_activations": "int8"}, {"quantization": "none"}],
-                         ids=["quantized", "int8-inputs", "float32-panels"])
+@pytest.mark.parametrize("options", [{}, {"quantized_activations": "int8"}, {"quantization": "none"},
+                                     {"kv_cache_dtype": "bfloat16"}],
+                         ids=["quantized", "int8-inputs", "float32-panels", "bfloat16-kv"])
 def test_smollm2_decode_steps_are_bitwise_the_python_path(smollm2_dir, kernels, options):
     if options.get("quantized_activations") == "int8" and not kernels.int8_gemm_available():
         pytest.skip("the portable build has no int8-input GEMM")

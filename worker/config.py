@@ -12,6 +12,7 @@ from metroserve.worker.spec_decode.config import SpeculativeConfig
 # --quantization values besides the default (the checkpoint's own); worker/quantization.py says what each does.
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 QUANTIZED_ACTIVATIONS_CHOICES = ("float32", "int8")
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16")  # vLLM's names; auto: the activations' dtype
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -34,6 +35,7 @@ class EngineConfig:
     quantization: str | None = None  # None: the checkpoint's own; gguf, int8, none (worker/quantization.py)
     quantized_activations: str = "float32"  # inputs of quantized projections: float32 or int8 (same module)
     device: str = "auto"  # auto: cuda when available, else cpu
+    kv_cache_dtype: str = "auto"  # auto: the activations' dtype; bfloat16: half the pool's bytes (LLMEngine says where)
     block_size: int = 16
     kv_cache_memory: str | int = "4GiB"  # KV pool size on CPU
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + activations + KV on CUDA
@@ -65,6 +67,9 @@ class EngineConfig:
         if self.quantized_activations not in QUANTIZED_ACTIVATIONS_CHOICES:
             raise ValueError(f"quantized_activations must be one of {', '.join(QUANTIZED_ACTIVATIONS_CHOICES)}, "
                              f"got {self.quantized_activations!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -99,6 +104,13 @@ class EngineConfig:
                             "rounding changes greedy output and makes it depend on batching and chunking. The "
                             "target model's: a draft model takes float32 inputs")
         g.add_argument("--device", default=d.device, help="cpu, cuda or auto")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPE_CHOICES,
+                       help="dtype of the paged KV pool. auto (default): the activations' (float32 on CPU), so "
+                            "greedy output is exact. bfloat16: K and V rounded to bfloat16 as they are stored and "
+                            "widened back as attention reads them; half the bytes per token, so the same "
+                            "--kv-cache-memory holds twice the tokens and decode attention at large batches reads "
+                            "half as much, but the rounding changes greedy output. On CPU it needs the compiled "
+                            "attention kernels; on CUDA a bfloat16 model's pool is bfloat16 already")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size on CPU, e.g. 4GiB")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

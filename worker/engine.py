@@ -96,6 +96,7 @@ class LLMEngine:
         bs = config.block_size
         self.attention = make_attention_backend(config.attention_backend, bs, self.device, self.dtype, mcfg.num_heads,
                                                 mcfg.num_kv_heads, mcfg.head_dim)
+        self.kv_cache_dtype = self._kv_cache_dtype()
         num_blocks = config.num_gpu_blocks_override or self._num_blocks_for_budget()
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not fit a single block; raise --kv-cache-memory "
@@ -104,7 +105,7 @@ class LLMEngine:
         # unless a draft model (which may attend to everything) shares the block tables.
         window = self.model.windows[0] if len(self.model.windows) == 1 and self.drafter is None else None
         self.kv_cache = KVCache(mcfg.num_layers, num_blocks + (window is not None), bs, mcfg.num_kv_heads,
-                                mcfg.head_dim, self.dtype, self.device)
+                                mcfg.head_dim, self.kv_cache_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, record_block_events, window)
         self.batcher = Batcher(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                config.scheduling_policy)
@@ -140,10 +141,24 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """--kv-cache-dtype: auto is the activations' dtype. bfloat16 under float32 activations needs
+        attention that widens the pool as it reads it: the compiled CPU kernels do; the torch and
+        Triton backends attend in the pool's dtype, so there it is refused."""
+        if self.config.kv_cache_dtype == "auto" or _DTYPES[self.config.kv_cache_dtype] == self.dtype:
+            return self.dtype
+        from metroserve.worker.attention.cpu import CpuAttention
+
+        if not isinstance(self.attention, CpuAttention):
+            raise ValueError(f"--kv-cache-dtype {self.config.kv_cache_dtype} with {self.dtype} activations needs "
+                             f"the compiled CPU attention kernels (--attention-backend cpu on CPU); this engine "
+                             f"runs {type(self.attention).__name__}")
+        return _DTYPES[self.config.kv_cache_dtype]
+
     def _num_blocks_for_budget(self) -> int:
         mcfg = self.model_config
         per_block = KVCache.bytes_per_block(mcfg.num_layers, self.config.block_size, mcfg.num_kv_heads,
-                                            mcfg.head_dim, self.dtype)
+                                            mcfg.head_dim, self.kv_cache_dtype)
         if self.drafter is not None:  # the draft's pool has the same blocks
             per_block += self.drafter.bytes_per_block(self.config.block_size)
         if self.device.type == "cuda":

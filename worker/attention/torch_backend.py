@@ -45,10 +45,11 @@ class TorchMetadata:
 
 def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Store this step's K/V in their slots; returns the layer's (k_pool, v_pool)."""
+    """Store this step's K/V in their slots (rounded to the pool's dtype, e.g. --kv-cache-dtype
+    bfloat16); returns the layer's (k_pool, v_pool)."""
     k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
-    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
+    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
     return k_pool, v_pool
 
 

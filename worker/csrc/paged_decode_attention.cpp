@@ -17,16 +17,19 @@
 // A sliding window (Mistral, Gemma) limits a query to its last `sliding_window` keys: the task's
 // row table starts at the first of them, so the loops below never see, nor fetch, older keys.
 // Soft-capping (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
+//
+// The pool holds float32 or bfloat16 (--kv-cache-dtype bfloat16: half the bytes, which is what
+// decode attention at a large batch waits on). A bfloat16 row is widened to float32 as it is
+// loaded (exact), so the output is the float32 kernel's on a pool of the same rounded values.
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/ops/empty_like.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "task_queue.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 // Pool offset of the rows of context tokens [first, end) (block table lookup done once per task, not per head).
 static void row_offsets(const int64_t* table, int64_t first, int64_t end, int64_t bs, int64_t token_stride,
@@ -34,25 +37,35 @@ static void row_offsets(const int64_t* table, int64_t first, int64_t end, int64_
   for (int64_t t = first; t < end; ++t) rows[t - first] = (table[t / bs] * bs + t % bs) * token_stride;
 }
 
+using BFloat16 = c10::BFloat16;
+
 #if defined(__AVX2__) && defined(__FMA__)
 // Rows of a context are scattered over blocks, which the hardware prefetcher cannot follow.
-static inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t d = 0; d < n; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T2);
+template <class KV>
+static inline void prefetch_row(const KV* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 64 / sizeof(KV)) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T2);
+}
+
+// 8 consecutive pool values as float32.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const BFloat16* p) {  // bfloat16 is float32's upper half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 #endif
 
 // scores[g * L + t] = scale * q_g . k_t for every query head g of the task. Keys are taken 8 at a
 // time and every head uses them while they are in L1 (a long context's keys do not fit in L2, so
 // one pass per head would read them from memory again).
-template <int D>
-static void key_scores(const float* qb, const float* kp, const float* vp, const int64_t* rows, int64_t L, int64_t NQ,
+template <int D, class KV>
+static void key_scores(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t L, int64_t NQ,
                        int64_t G, float scale, float* scores) {
   int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t j = 0; j < std::min<int64_t>(L, 32); ++j) prefetch_row(kp + rows[j], NQ / G * D);
   for (; t + 8 <= L; t += 8) {
-    const float* k[8];
+    const KV* k[8];
     for (int j = 0; j < 8; ++j) k[j] = kp + rows[t + j];
     for (int64_t j = t + 32; j < std::min(L, t + 40); ++j) prefetch_row(kp + rows[j], NQ / G * D);
     // The value pass starts on the first rows: fetch them while the last keys are scored.
@@ -65,7 +78,7 @@ static void key_scores(const float* qb, const float* kp, const float* vp, const 
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
       for (int d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + kh + d), acc[j]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + kh + d), acc[j]);
       }
       // Transposed horizontal sum: lane j of the result is the sum of acc[j]'s lanes.
       const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
@@ -80,7 +93,8 @@ static void key_scores(const float* qb, const float* kp, const float* vp, const 
   for (; t < L; ++t) {
     for (int64_t g = 0; g < NQ; ++g) {
       const float* qg = qb + g * D;
-      const float* k = kp + rows[t] + g / G * D;
+      float widened[D];
+      const float* k = vec::as_floats(kp + rows[t] + g / G * D, D, widened);
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int d = 0; d < D; ++d) s += qg[d] * k[d];
@@ -91,8 +105,8 @@ static void key_scores(const float* qb, const float* kp, const float* vp, const 
 
 // ob[g] = sum_t p[g * L + t] * v_t / sums[g]. Values are taken 32 at a time, used by every head of
 // the task while in L1; each head's sums are carried in registers 64 dims at a time.
-template <int D>
-static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int64_t NQ, int64_t G, const float* p,
+template <int D, class KV>
+static void weighted_values(const KV* vp, const int64_t* rows, int64_t L, int64_t NQ, int64_t G, const float* p,
                             const float* sums, float* ob) {
   constexpr int kChunk = D < 64 ? D : 64;
   constexpr int64_t kTile = 32;
@@ -112,14 +126,15 @@ static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int
         for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_loadu_ps(og + 8 * i);
         for (int64_t t = t0; t < t1; ++t) {
           const __m256 w = _mm256_set1_ps(pg[t]);
-          const float* v = vp + rows[t] + vh + c;
-          for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
+          const KV* v = vp + rows[t] + vh + c;
+          for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_fmadd_ps(w, load8(v + 8 * i), acc[i]);
         }
         for (int i = 0; i < kChunk / 8; ++i) _mm256_storeu_ps(og + 8 * i, acc[i]);
 #else
         for (int64_t t = t0; t < t1; ++t) {
           const float w = pg[t];
-          const float* v = vp + rows[t] + vh + c;
+          float widened[kChunk];
+          const float* v = vec::as_floats(vp + rows[t] + vh + c, kChunk, widened);
 #pragma omp simd
           for (int d = 0; d < kChunk; ++d) og[d] += w * v[d];
         }
@@ -134,10 +149,10 @@ static void weighted_values(const float* vp, const int64_t* rows, int64_t L, int
 }
 
 // Query heads [0, NQ) of one sequence: head i reads KV head i / G of each row.
-template <int D>
-static void decode_task(const float* qb, const float* kp, const float* vp, const int64_t* rows, int64_t L, int64_t NQ,
+template <int D, class KV>
+static void decode_task(const float* qb, const KV* kp, const KV* vp, const int64_t* rows, int64_t L, int64_t NQ,
                         int64_t G, float scale, float softcap, float* scores, float* sums, float* ob) {
-  key_scores<D>(qb, kp, vp, rows, L, NQ, G, scale, scores);
+  key_scores<D, KV>(qb, kp, vp, rows, L, NQ, G, scale, scores);
   if (softcap > 0.f) {
     const float inv = 1.f / softcap;
     for (int64_t i = 0; i < NQ * L; ++i) scores[i] = softcap * std::tanh(scores[i] * inv);
@@ -154,30 +169,20 @@ static void decode_task(const float* qb, const float* kp, const float* vp, const
     }
     sums[g] = total;
   }
-  weighted_values<D>(vp, rows, L, NQ, G, scores, sums, ob);
+  weighted_values<D, KV>(vp, rows, L, NQ, G, scores, sums, ob);
 }
 
-at::Tensor paged_decode_attention(at::Tensor q,            // [B, H, D] float32
-                                  at::Tensor k_cache,      // [num_blocks, block_size, Hkv, D]
-                                  at::Tensor v_cache,      // same
-                                  at::Tensor block_tables, // [B, max_blocks] int64
-                                  at::Tensor seq_lens,     // [B] int64
-                                  double scale,
-                                  int64_t sliding_window,     // keys each query sees at most; 0: all
-                                  double softcap) {           // 0: none
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+// Every sequence's attention over a pool of KV (float or BFloat16).
+template <class KV>
+static void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t sliding_window,
+                       double softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = H / Hkv;
-  TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "head_dim must be 16, 32, 64, 128 or 256");
-  auto tables = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -209,18 +214,41 @@ at::Tensor paged_decode_attention(at::Tensor q,            // [B, H, D] float32
     w.rows.resize(L);
     row_offsets(tp + b * max_blocks, first[b], lp[b], bs, Hkv * D, w.rows.data());
     const float* qb = qp + (b * H + h * G) * D;
-    const float* kh = kp + h * D;  // the task's first KV head in every row
-    const float* vh = vp + h * D;
+    const KV* kh = kp + h * D;  // the task's first KV head in every row
+    const KV* vh = vp + h * D;
     float* ob = op + (b * H + h * G) * D;
     const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
     const int64_t* rows = w.rows.data();
     switch (D) {
-      case 16: decode_task<16>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
-      case 32: decode_task<32>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
-      case 64: decode_task<64>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
-      case 128: decode_task<128>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
-      default: decode_task<256>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob);
+      case 16: decode_task<16, KV>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      case 32: decode_task<32, KV>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      case 64: decode_task<64, KV>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      case 128: decode_task<128, KV>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob); break;
+      default: decode_task<256, KV>(qb, kh, vh, rows, L, nq, G, s, c, w.scores.data(), w.sums.data(), ob);
     }
   });
+}
+
+at::Tensor paged_decode_attention(at::Tensor q,            // [B, H, D] float32
+                                  at::Tensor k_cache,      // [num_blocks, block_size, Hkv, D] float32 or bfloat16
+                                  at::Tensor v_cache,      // same
+                                  at::Tensor block_tables, // [B, max_blocks] int64
+                                  at::Tensor seq_lens,     // [B] int64
+                                  double scale,
+                                  int64_t sliding_window,     // keys each query sees at most; 0: all
+                                  double softcap) {           // 0: none
+  const auto pool = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (pool == at::kFloat || pool == at::kBFloat16) &&
+                  v_cache.scalar_type() == pool, "paged_decode_attention: float32 q, float32 or bfloat16 K/V pools");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "head_dim must be 16, 32, 64, 128 or 256");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty_like(q);
+  if (pool == at::kFloat)
+    decode_all<float>(q, k_cache, v_cache, tables, lens, scale, sliding_window, softcap, out);
+  else
+    decode_all<BFloat16>(q, k_cache, v_cache, tables, lens, scale, sliding_window, softcap, out);
   return out;
 }

@@ -18,9 +18,15 @@
 // a tile that some row's window has left is masked below too. Such tiles, and every tile when
 // scores are soft-capped (the cap comes before the mask), are finished in a pass over the stored
 // score rows (finish_tile) instead of in registers: the plain causal tiles stay as they were.
+//
+// A bfloat16 pool (--kv-cache-dtype bfloat16) is widened tile by tile into float32 rows of the
+// task's scratch (exact), which the tiles then read as they read a float32 pool's rows: the
+// output is the float32 kernel's on a pool of the same rounded values.
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "task_queue.h"
@@ -169,7 +175,9 @@ struct Task {
 struct Scratch {
   std::vector<float> qt, o, st, max, sum, rescale, pos, low, tmax;
   std::vector<const float*> k, v;
+  std::vector<float> kw, vw;  // a bfloat16 tile's rows widened to float32 ([kKeys, D] each); unused for float32
 };
+
 
 // The first key that the query at position pos sees.
 inline int64_t first_key(int64_t pos, int64_t window) {
@@ -177,8 +185,8 @@ inline int64_t first_key(int64_t pos, int64_t window) {
 }
 
 // Query column m of a task is (query row m / G, head m % G).
-template <int D>
-void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float* kp, const float* vp,
+template <int D, class KV>
+void prefill_task(const Task& t, const float* qp, int64_t q_stride, const KV* kp, const KV* vp,
                   const int64_t* table, int64_t bs, int64_t Hkv, int64_t G, int64_t first_pos, float scale,
                   int64_t window, float softcap, float* op, int64_t o_stride, Scratch& w) {
   const int64_t M = t.rows * G, ld = (M + kCols - 1) / kCols * kCols;
@@ -206,8 +214,8 @@ void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float*
     for (int j = 0; j < n; ++j) {
       const int64_t pos = k0 + j;
       const int64_t off = (table[pos / bs] * bs + pos % bs) * row_stride + t.kv_head * D;
-      w.k[j] = kp + off;
-      w.v[j] = vp + off;
+      w.k[j] = vec::as_floats(kp + off, D, w.kw.data() + j * D);
+      w.v[j] = vec::as_floats(vp + off, D, w.vw.data() + j * D);
     }
     float* tmax = w.tmax.data();
     std::fill(tmax, tmax + ld, kMasked);
@@ -249,12 +257,45 @@ void prefill_task(const Task& t, const float* qp, int64_t q_stride, const float*
   }
 }
 
+// Runs every task over a pool of KV (float or BFloat16).
+template <class KV>
+void prefill_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* tp,
+                 const int64_t* sp, const int64_t* qlp, const int64_t* lp, int64_t max_blocks,
+                 const std::vector<Task>& tasks, int64_t tile_rows, int64_t G, float s, int64_t sliding_window,
+                 float c, at::Tensor& out) {
+  const int64_t D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
+  const float* qp = q.data_ptr<float>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
+  float* op = out.data_ptr<float>();
+  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
+  const int64_t ld = (tile_rows * G + kCols - 1) / kCols * kCols;
+  const auto task_fn = D == 16 ? prefill_task<16, KV> : D == 32 ? prefill_task<32, KV> : D == 64 ? prefill_task<64, KV>
+                       : D == 128 ? prefill_task<128, KV> : prefill_task<256, KV>;
+  const int64_t widened = std::is_same_v<KV, float> ? 0 : kKeys * D;
+  const auto make_scratch = [&] {
+    const std::vector<float> column(ld);
+    return Scratch{std::vector<float>(D * ld), std::vector<float>(ld * D), std::vector<float>(kKeys * ld),
+                   column, column, column, column, column, column,
+                   std::vector<const float*>(kKeys), std::vector<const float*>(kKeys),
+                   std::vector<float>(widened), std::vector<float>(widened)};
+  };
+  run_tasks_in_order(static_cast<int64_t>(tasks.size()), make_scratch, [&](Scratch& w, int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t first_pos = lp[t.chunk] - qlp[t.chunk];
+    const float* qc = qp + sp[t.chunk] * q_stride;
+    float* oc = op + sp[t.chunk] * o_stride;
+    const int64_t* table = tp + t.chunk * max_blocks;
+    task_fn(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, sliding_window, c, oc, o_stride, w);
+  });
+}
+
 }  // namespace
 
 // Chunk i's query rows are q[query_start[i] : query_start[i] + query_lens[i]], at positions
 // seq_lens[i] - query_lens[i] onwards; their K/V are already in the pool. Writes into out.
 void paged_prefill_attention(at::Tensor q,             // [T, H, D] float32, rows may be strided
-                             at::Tensor k_cache,       // [num_blocks, block_size, Hkv, D]
+                             at::Tensor k_cache,       // [num_blocks, block_size, Hkv, D] float32 or bfloat16
                              at::Tensor v_cache,       // same
                              at::Tensor block_tables,  // [num_chunks, max_blocks] int64
                              at::Tensor query_start,   // [num_chunks] int64
@@ -264,13 +305,14 @@ void paged_prefill_attention(at::Tensor q,             // [T, H, D] float32, row
                              int64_t sliding_window,      // keys each query sees at most; 0: all
                              double softcap,              // 0: none
                              at::Tensor out) {         // [T, H, D] float32, rows may be strided
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_prefill_attention: float32 only");
+  const auto pool = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  (pool == at::kFloat || pool == at::kBFloat16) && v_cache.scalar_type() == pool,
+              "paged_prefill_attention: float32 q and out, float32 or bfloat16 K/V pools");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous K/V pools");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "q and out: heads of a row must be contiguous");
-  const int64_t H = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), G = H / Hkv;
   TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256, "head_dim must be 16, 32, 64, 128 or 256");
   auto tables = block_tables.contiguous();
   auto starts = query_start.contiguous(), qlens = query_lens.contiguous(), lens = seq_lens.contiguous();
@@ -293,27 +335,10 @@ void paged_prefill_attention(at::Tensor q,             // [T, H, D] float32, row
   }
   // Most keys first (see task_queue.h).
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
-  const int64_t ld = (tile_rows * G + kCols - 1) / kCols * kCols;
-  const auto task_fn = D == 16 ? prefill_task<16> : D == 32 ? prefill_task<32> : D == 64 ? prefill_task<64>
-                       : D == 128 ? prefill_task<128> : prefill_task<256>;
   const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
-  const auto make_scratch = [&] {
-    const std::vector<float> column(ld);
-    return Scratch{std::vector<float>(D * ld), std::vector<float>(ld * D), std::vector<float>(kKeys * ld),
-                   column, column, column, column, column, column,
-                   std::vector<const float*>(kKeys), std::vector<const float*>(kKeys)};
-  };
-  run_tasks_in_order(static_cast<int64_t>(tasks.size()), make_scratch, [&](Scratch& w, int64_t i) {
-    const Task& t = tasks[i];
-    const int64_t first_pos = lp[t.chunk] - qlp[t.chunk];
-    const float* qc = qp + sp[t.chunk] * q_stride;
-    float* oc = op + sp[t.chunk] * o_stride;
-    const int64_t* table = tp + t.chunk * max_blocks;
-    task_fn(t, qc, q_stride, kp, vp, table, bs, Hkv, G, first_pos, s, sliding_window, c, oc, o_stride, w);
-  });
+  if (pool == at::kFloat)
+    prefill_all<float>(q, k_cache, v_cache, tp, sp, qlp, lp, max_blocks, tasks, tile_rows, G, s, sliding_window, c, out);
+  else
+    prefill_all<c10::BFloat16>(q, k_cache, v_cache, tp, sp, qlp, lp, max_blocks, tasks, tile_rows, G, s,
+                               sliding_window, c, out);
 }

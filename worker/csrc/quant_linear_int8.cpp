@@ -46,6 +46,62 @@ struct Int8Rows {
   at::Tensor q, d, s;
 };
 
+// One block of kAct inputs: q = round(x / d) with d = max|x| / 127, and the sums of each kHalf q's.
+// The vector paths round like nearbyint (to nearest even, MXCSR's default) and give the same q.
+inline void quantize_block(const float* x, int8_t* q, float& d, int (&sums)[kAct / kHalf]) {
+  static_assert(kAct == 32 && kHalf == 16);
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+               x3 = _mm256_loadu_ps(x + 24);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+#else
+  float amax = 0.f;
+  for (int j = 0; j < kAct; ++j) amax = std::max(amax, std::fabs(x[j]));
+#endif
+  d = amax / 127.f;
+  // Clamped: with a subnormal amax, inv overflows (NaN inputs are the model's bug, not handled).
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+#if defined(__AVX512F__)
+  const __m512 vi = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a, vi), lo), hi));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(b, vi), lo), hi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  sums[0] = _mm512_reduce_add_epi32(qa);
+  sums[1] = _mm512_reduce_add_epi32(qb);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const auto round = [&](__m256 v) { return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, vi), lo), hi)); };
+  const __m256i q0 = round(x0), q1 = round(x1), q2 = round(x2), q3 = round(x3);
+  // packs work within 128-bit lanes: the permutation puts the four int32 vectors' bytes back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const auto total = [](__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+  };
+  sums[0] = total(_mm256_add_epi32(q0, q1));
+  sums[1] = total(_mm256_add_epi32(q2, q3));
+#else
+  sums[0] = sums[1] = 0;
+  for (int j = 0; j < kAct; ++j) {
+    q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(x[j] * inv), -127.f, 127.f));
+    sums[j / kHalf] += q[j];
+  }
+#endif
+}
+
 Int8Rows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   Int8Rows r{at::empty({M, K}, at::kChar), at::empty({M, K / kAct}, at::kFloat),
@@ -57,17 +113,9 @@ Int8Rows quantize_rows(const at::Tensor& x) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < K / kAct; ++b) {
-        const float* xb = xp + m * ldx + b * kAct;
-        int8_t* qb = qp + m * K + b * kAct;
-        float amax = 0.f;
-        for (int j = 0; j < kAct; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sums[kAct / kHalf] = {};
-        for (int j = 0; j < kAct; ++j) {
-          // Clamped: with a subnormal amax, inv overflows (NaN inputs are the model's bug, not handled).
-          qb[j] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[j] * inv), -127.f, 127.f));
-          sums[j / kHalf] += qb[j];
-        }
+        float d;
+        int sums[kAct / kHalf];
+        quantize_block(xp + m * ldx + b * kAct, qp + m * K + b * kAct, d, sums);
         dp[m * (K / kAct) + b] = d;
         for (int h = 0; h < kAct / kHalf; ++h) sp[m * (K / kHalf) + b * (kAct / kHalf) + h] = d * sums[h];
       }

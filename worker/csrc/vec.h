@@ -119,4 +119,13 @@ inline Vec::T Vec::exp(T x) {
 }
 #endif
 
+// n values of a KV pool row as float32: a float32 row itself, a bfloat16 one widened into buf
+// (exact). Kernels read both through the same float loops, so their sums are the same.
+inline const float* as_floats(const float* row, int64_t, float*) { return row; }
+template <class BF16>
+inline const float* as_floats(const BF16* row, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+  return buf;
+}
+
 }  // namespace vec
