@@ -133,7 +133,11 @@ def build_for_instruction_set(isa: str) -> ModuleType:
     return module
 
 
-@pytest.fixture(scope="module", params=sorted(ISA_MARCH))
+# Attention's paths: AVX2, portable, and AVX-512 (16-lane decode products) where the CPU runs it.
+ATTENTION_ISAS = [*sorted(ISA_MARCH), "avx512"]
+
+
+@pytest.fixture(scope="module", params=ATTENTION_ISAS)
 def isa_kernels(request):
     return build_for_instruction_set(request.param)
 

@@ -12,11 +12,11 @@ from metroserve import LLM, SamplingParams
 from metroserve.worker.attention import cpu as cpu_attention
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from tests.conftest import assert_all_blocks_free
-from tests.test_cpu_kernels import ISA_MARCH, build_for_instruction_set
+from tests.test_cpu_kernels import ATTENTION_ISAS, build_for_instruction_set
 from tests.test_greedy_vs_hf import tiny_prompts
 
 
-@pytest.fixture(scope="module", params=["native", *sorted(ISA_MARCH)])
+@pytest.fixture(scope="module", params=["native", *ATTENTION_ISAS])
 def kernels(request):
     if request.param == "native":
         k = load_cpu_kernels()

@@ -1,8 +1,9 @@
 """The GEMMs over GGUF-quantized weights against x @ dequant(W)^T in float64, W dequantized by gguf's
 numpy reference, for each block format and each instruction-set build (this machine's, and
 tests/test_cpu_kernels.py's AVX2, AVX2 + AVX-VNNI, AVX-512 without VNNI and portable builds):
-quant_linear (worker/csrc/quant_linear.cpp) with x as it is, quant_linear_int8 (quant_linear_int8.cpp,
-every build but the portable one) with x rounded as quantize_activations rounds it."""
+quant_linear (worker/csrc/quant_linear.cpp) with x as it is, its weights widened for prefill-sized
+products through oneDNN (dequantize_quant_weight), quant_linear_int8 (quant_linear_int8.cpp, every
+build but the portable one) with x rounded as quantize_activations rounds it."""
 
 import functools
 
@@ -15,6 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.model_files import ModelLoadError, default_model_path
+from metroserve.worker.quantization import DEQUANTIZE_MIN_ROWS, QuantPart, onednn_available
 from tests.test_cpu_kernels import EXTRA_ISA_MARCH, ISA_MARCH, build_for_instruction_set
 
 Q = GGMLQuantizationType
@@ -78,6 +80,25 @@ def test_quant_linear_matches_dequantized_reference(kernels, qtype, k, rows):
     assert packed.dtype == torch.uint8 and packed.numel() <= size
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     assert_matches(kernels.quant_linear(x, packed, int(qtype), N), x, deq)
+
+
+@pytest.mark.parametrize("qtype, k", SHAPES, ids=[f"{t.name}-{k}" for t, k in SHAPES])
+def test_dequantized_weight_is_the_blocks_weights(kernels, qtype, k):
+    """dequantize_quant_weight: d q (+ m) of every block, within one float32 rounding of the
+    float64 dequantization; and a QuantPart at prefill size, which multiplies it through oneDNN,
+    matches the reference as the kernel does."""
+    raw, deq = quantized(qtype, k)
+    packed = kernels.pack_quant_weight(torch.from_numpy(raw), int(qtype), k)
+    weight = kernels.dequantize_quant_weight(packed, int(qtype), k, N)
+    assert weight.shape == (N, k) and weight.dtype == torch.float32
+    # A few float32 roundings of the row's weights (scale products, d q + m), as gguf's own float32 has.
+    error = np.abs(weight.double().numpy() - deq)
+    assert (error <= 2**-21 * np.abs(deq).max(axis=1, keepdims=True)).all()
+    if not onednn_available():
+        return
+    part = QuantPart(packed, int(qtype), N, raw.nbytes, int8_activations=False)
+    x = torch.randn(DEQUANTIZE_MIN_ROWS, k, generator=torch.Generator().manual_seed(k))
+    assert_matches(part(kernels, x), x, deq)
 
 
 @pytest.fixture

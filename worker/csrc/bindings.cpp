@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quant_weight", &pack_quant_weight,
         "[N, K / block * block bytes] GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14) in the strips quant_linear reads");
   m.def("quant_linear", &quant_linear, "x @ dequant(W)^T through pack_quant_weight's strips (CPU, float32)");
+  m.def("dequantize_quant_weight", &dequantize_quant_weight, "pack_quant_weight's strips -> float32 W [N, K]");
   m.def("int8_gemm_available", &int8_gemm_available, "whether this build has the int8-activation GEMM (AVX2 or AVX-512; VNNI when present)");
   m.def("quantize_activations", &quantize_activations, "x [M, K] -> (q int8, d float32 [M, K / 32]): x ~ d q per 32 inputs");
   m.def("pack_quant_weight_int8", &pack_quant_weight_int8, "GGML blocks in the strips quant_linear_int8 reads");

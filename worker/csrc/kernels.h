@@ -15,6 +15,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
 // quant_linear.cpp, quant_linear_int8.cpp
 at::Tensor pack_quant_weight(at::Tensor raw, int64_t qtype, int64_t K);
 at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
+at::Tensor dequantize_quant_weight(at::Tensor packed, int64_t qtype, int64_t K, int64_t N);
 bool int8_gemm_available();
 std::vector<at::Tensor> quantize_activations(at::Tensor x);
 at::Tensor pack_quant_weight_int8(at::Tensor raw, int64_t qtype, int64_t K);

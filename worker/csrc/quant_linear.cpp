@@ -135,6 +135,47 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   return y;
 }
 
+// W [N, K]: the weights the kernel widens in registers (d q, plus m for the offset formats), written
+// out. A block's W columns are widened input by input, as the strips hold them, then stored row by row.
+template <class F>
+at::Tensor dequantize(const at::Tensor& packed, int64_t K, int64_t N) {
+  const int64_t blocks = K / F::kBlock, strips = (N + W - 1) / W;
+  check_packed<F, FloatLayout>(packed, K, N, "dequantize_quant_weight");
+  auto out = at::empty({N, K}, packed.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    alignas(64) float widened[F::kBlock][W];
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t cols = std::min<int64_t>(W, N - s * W);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = w + (s * blocks + b) * kStripBlock<F>;
+        for (int sub = 0; sub < F::kBlock / F::kSub; ++sub) {
+          const V d = F::scale(block, sub);
+          const V m = F::kOffset ? F::offset(block, sub, d) : Vec::zero();
+          const uint8_t* q = F::quants(block, sub);
+          float(*rows)[W] = widened + sub * F::kSub;
+          if constexpr (F::kNibbles) {
+            for (int j = 0; j < F::kSub / 2; ++j) {
+              V lo, hi;
+              nibbles(q + j * W, lo, hi);
+              Vec::store(rows[j], Vec::fma(d, lo, m));
+              Vec::store(rows[j + F::kSub / 2], Vec::fma(d, hi, m));
+            }
+          } else {
+            for (int j = 0; j < F::kSub; ++j) Vec::store(rows[j], Vec::fma(d, int8s(q + j * W), m));
+          }
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          float* dst = o + (s * W + c) * K + b * F::kBlock;
+          for (int j = 0; j < F::kBlock; ++j) dst[j] = widened[j][c];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // raw [N, K / block * block bytes]: N rows of GGML blocks as a GGUF file stores them -> this build's strips.
@@ -144,6 +185,12 @@ at::Tensor pack_quant_weight(at::Tensor raw, int64_t qtype, int64_t K) {
     check_raw<F>(raw, K, "pack_quant_weight");
     return pack<F, FloatLayout>(raw, K / F::kBlock);
   });
+}
+
+// The packed weight of N output columns and K inputs as float32 [N, K] (for large products through
+// another GEMM: worker/quantization.py).
+at::Tensor dequantize_quant_weight(at::Tensor packed, int64_t qtype, int64_t K, int64_t N) {
+  return dispatch(qtype, "dequantize_quant_weight", [&](auto f) { return dequantize<decltype(f)>(packed, K, N); });
 }
 
 // x [M, K] (rows contiguous) times the packed weight of N output columns: [M, N], float32.
