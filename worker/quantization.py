@@ -56,7 +56,8 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # call and multiplies through oneDNN's GEMM, which does more multiply-adds a cycle than the
 # quantized kernel's register tiles. On a 2-core Zen 5, SmolLM2's four projections of a layer:
 # 1.14x the kernel's speed at 2048 rows, 1.05x at 1024, 0.96x at 512 (widening and packing the
-# weight is the difference); a 2048-token chunk's widened weights are 7 MB at most, then freed.
+# weight is the difference). One projection part's float32 copy (and oneDNN's packing of it) lives
+# for the call: 7 MB each for SmolLM2's gate/up.
 DEQUANTIZE_MIN_ROWS = 1024
 
 

@@ -178,7 +178,6 @@ struct Scratch {
   std::vector<float> kw, vw;  // a bfloat16 tile's rows widened to float32 ([kKeys, D] each); unused for float32
 };
 
-
 // The first key that the query at position pos sees.
 inline int64_t first_key(int64_t pos, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
