@@ -14,9 +14,10 @@ from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from metroserve.worker import onednn
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.model_files import ModelLoadError, default_model_path
-from metroserve.worker.quantization import DEQUANTIZE_MIN_ROWS, QuantPart, onednn_available
+from metroserve.worker.quantization import DEQUANTIZE_MIN_ROWS, QuantPart
 from tests.test_cpu_kernels import EXTRA_ISA_MARCH, ISA_MARCH, build_for_instruction_set
 
 Q = GGMLQuantizationType
@@ -94,7 +95,7 @@ def test_dequantized_weight_is_the_blocks_weights(kernels, qtype, k):
     # A few float32 roundings of the row's weights (scale products, d q + m), as gguf's own float32 has.
     error = np.abs(weight.double().numpy() - deq)
     assert (error <= 2**-21 * np.abs(deq).max(axis=1, keepdims=True)).all()
-    if not onednn_available():
+    if not onednn.available():
         return
     part = QuantPart(packed, int(qtype), N, raw.nbytes, int8_activations=False)
     x = torch.randn(DEQUANTIZE_MIN_ROWS, k, generator=torch.Generator().manual_seed(k))

@@ -110,7 +110,8 @@ class EngineConfig:
                             "widened back as attention reads them; half the bytes per token, so the same "
                             "--kv-cache-memory holds twice the tokens and decode attention at large batches reads "
                             "half as much, but the rounding changes greedy output. On CPU it needs the compiled "
-                            "attention kernels; on CUDA a bfloat16 model's pool is bfloat16 already")
+                            "attention kernels; on CUDA a bfloat16 model's pool is bfloat16 already. The target "
+                            "model's: a draft model's pool keeps its own dtype")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size on CPU, e.g. 4GiB")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

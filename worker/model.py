@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metroserve.worker import onednn
 from metroserve.worker.attention import AttentionBackend, BatchLayout
 from metroserve.worker.fused_decode import FusedDecode
 from metroserve.worker.kv_cache import KVCache
@@ -248,7 +249,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
         return out if bias is None else out.add_(bias)
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return onednn.linear(x, packed, bias)
 
 
 # Up to this many rows (decode steps), a projection runs through the compiled kernel's panels: on a
@@ -444,7 +445,7 @@ class DecoderForCausalLM(nn.Module):
         weight = self.embed_tokens.weight
         cast = matmul_dtype or weight.dtype
         if (weight.device.type != "cpu" or cast not in (torch.float32, torch.bfloat16)
-                or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                or not onednn.available()
                 or (cast == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             if cast != weight.dtype:  # no oneDNN bfloat16 here (AVX2 CPUs): plain bfloat16 matmuls, slower
                 for module in (*self.layers.modules(), self.lm_head):
@@ -453,7 +454,7 @@ class DecoderForCausalLM(nn.Module):
             return
 
         def pack(w: torch.Tensor) -> torch.Tensor:  # in the layout oneDNN picks for 64-row inputs
-            return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(cast), 64)
+            return onednn.pack(w.detach().to(cast), 64)
 
         for module in self.layers.modules():
             if isinstance(module, Linear) and module.quantized is None:

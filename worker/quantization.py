@@ -36,13 +36,14 @@ Q6_K) stays one Linear with one part per type, each multiplied into its slice of
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from metroserve.worker import onednn
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +62,6 @@ KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 DEQUANTIZE_MIN_ROWS = 1024
 
 
-@functools.cache
-def onednn_available() -> bool:
-    """Whether torch has oneDNN's linear with weights packed per call (the prefill path above)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
 
 @dataclass
 class QuantPart:
@@ -76,7 +72,7 @@ class QuantPart:
     int8_activations: bool  # multiplied by quant_linear_int8 (else quant_linear)
 
     def __call__(self, kernels: object, x: torch.Tensor) -> torch.Tensor:
-        if not self.int8_activations and x.shape[0] >= DEQUANTIZE_MIN_ROWS and onednn_available():
+        if not self.int8_activations and x.shape[0] >= DEQUANTIZE_MIN_ROWS and onednn.available():
             return self._through_onednn(kernels, x)
         gemm = kernels.quant_linear_int8 if self.int8_activations else kernels.quant_linear  # type: ignore[attr-defined]
         return gemm(x, self.packed, self.qtype, self.rows)
@@ -85,8 +81,7 @@ class QuantPart:
         """Prefill-sized products: the weight widened to float32 for this call and multiplied by
         oneDNN's float32 GEMM (same weights, the sums in another order), then dropped."""
         weight = kernels.dequantize_quant_weight(self.packed, self.qtype, x.shape[1], self.rows)  # type: ignore[attr-defined]
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return onednn.linear(x, onednn.pack(weight, x.shape[0]))
 
 
 @dataclass

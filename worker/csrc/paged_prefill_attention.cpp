@@ -336,7 +336,8 @@ void paged_prefill_attention(at::Tensor q,             // [T, H, D] float32, row
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
   const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
   if (pool == at::kFloat)
-    prefill_all<float>(q, k_cache, v_cache, tp, sp, qlp, lp, max_blocks, tasks, tile_rows, G, s, sliding_window, c, out);
+    prefill_all<float>(q, k_cache, v_cache, tp, sp, qlp, lp, max_blocks, tasks, tile_rows, G, s, sliding_window, c,
+                       out);
   else
     prefill_all<c10::BFloat16>(q, k_cache, v_cache, tp, sp, qlp, lp, max_blocks, tasks, tile_rows, G, s,
                                sliding_window, c, out);

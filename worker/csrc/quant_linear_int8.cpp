@@ -80,7 +80,9 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int (&sums)[kAct
   sums[1] = _mm512_reduce_add_epi32(qb);
 #elif defined(__AVX2__) && defined(__FMA__)
   const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  const auto round = [&](__m256 v) { return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, vi), lo), hi)); };
+  const auto round = [&](__m256 v) {
+    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, vi), lo), hi));
+  };
   const __m256i q0 = round(x0), q1 = round(x1), q2 = round(x2), q3 = round(x3);
   // packs work within 128-bit lanes: the permutation puts the four int32 vectors' bytes back in order.
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
