@@ -6,11 +6,14 @@ with GatewayLink and WorkerLink objects, reading what each would be sent from ta
 
 Events and what they cost (none is per token):
 - a gateway submits a request: admit (validate against the workers' limits, queue) and dispatch;
-  the gateway hears "admitted" or the refusal (a grpc status name with retry-after / field);
+  the gateway hears the refusal (a grpc status name with retry-after / field), or "admitted" if the
+  request waits in the queue; one placed at once costs no answer (its worker tells the gateway);
 - placement: an Assignment to the worker, naming the owning gateway, whose TokenStream gets the
   output directly;
-- completion: the worker's PlacementFinish (reasons, token counts), or the gateway's Abort (client
-  gone, or stop strings found at the gateway, with what the client received);
+- completion: the gateway's Completion (it delivered every sequence's last token), which it sends
+  with its next submission unless requests wait (GatewayControl.requests_waiting); the worker's
+  PlacementFinish, which comes with its periodic load report, whichever is first; or the gateway's
+  Abort (client gone, or stop strings found at the gateway, with what the client received);
 - migration: a worker lost (stream broken, lease expired) or handing work back. The owning gateway
   is asked for what it delivered (ResumeQuery -> ResumeState) and each unfinished sequence is
   placed again from there. The gateway's count is the truth: it is what the client has.
@@ -22,6 +25,10 @@ Events and what they cost (none is per token):
 - a gateway's stream breaks: its requests wait GATEWAY_GRACE_S for it to reconnect and report
   them, then end (their clients are gone with it).
 
+Messages are the cost here (a gRPC message costs this process 0.15-0.5 ms of CPU on a 2-core VM,
+more at low rates, against ~0.2 ms for all of a request's logic), so a request placed at once
+costs two: its submission (carrying earlier completions) and its Assignment.
+
 Everything runs on one event loop, so the state needs no locks. Each event can free a worker slot
 or queue work, so each ends by dispatching.
 """
@@ -31,6 +38,7 @@ from __future__ import annotations
 import bisect
 import enum
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -50,8 +58,22 @@ from metroserve.scheduler.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
 
+# Workers' periodic reports (finishes, load, block events) the scheduler wants per second in all:
+# each worker reports every max(1, W / REPORTS_PER_S) s, rounded up to a power of two so the
+# interval changes (one message to each worker) only as W doubles, and at most a third of the
+# heartbeat timeout (a busy worker's reports are its heartbeats). What it costs: with 64 workers,
+# load and decode-filled blocks reach the scheduler up to 4 s late (a finished prompt's blocks
+# count as placed on its worker meanwhile, so prefix-aware placement does not suffer).
+REPORTS_PER_S = 16
+
 # What a sequence the caller ended itself may finish as (SequenceEnd.finish_reason; empty: "stop").
 CALLER_FINISH_REASONS = ("stop", "length", "abort")
+
+
+def report_interval_s(num_workers: int, heartbeat_timeout_s: float) -> float:
+    """How often each of `num_workers` workers reports (see REPORTS_PER_S)."""
+    interval = float(2 ** max(0, math.ceil(math.log2(max(1, num_workers) / REPORTS_PER_S))))
+    return min(interval, heartbeat_timeout_s / 3)
 
 
 class ErrorCode(enum.StrEnum):
@@ -116,6 +138,8 @@ class SchedulerCore:
         self.placement_hit_tokens_by_worker: Counter = Counter()
         self.telemetry = RequestTelemetry(options.log_requests)
         self._rotation = 0  # spreads ties between equally good workers
+        self._announced_waiting = False  # what the gateways were last told of the queue
+        self.report_interval_s = report_interval_s(0, options.heartbeat_timeout_s)  # what workers are told
 
     def live_workers(self) -> list[WorkerLink]:
         """Workers that take new work (not draining)."""
@@ -134,6 +158,8 @@ class SchedulerCore:
         self.gateways[link.gateway_id] = link
         self.detached.pop(link.gateway_id, None)
         link.workers_changed(self._worker_list())
+        if self._announced_waiting:
+            link.requests_waiting(True)
         reported = {s.request.request_id for s in register.in_flight}
         for state in [s for s in self.requests.values() if s.gateway_id == link.gateway_id]:
             if state.request_id not in reported:
@@ -148,8 +174,12 @@ class SchedulerCore:
         return link
 
     def gateway_message(self, link: GatewayLink, msg: cluster_pb2.GatewayMessage, now: float) -> None:
-        for submission in msg.submit:
-            self._submit(link, submission)
+        for completion in msg.completed:  # first: the slots they free may take the submissions
+            try:
+                self._completed(link, completion)
+            except RequestError as e:
+                link.status(e.to_status(completion.request_id))
+        submitted = [state for submission in msg.submit if (state := self._submit(link, submission)) is not None]
         for abort in msg.abort:
             try:
                 self.abort(link.gateway_id, abort.request_id, abort.ended)
@@ -158,6 +188,9 @@ class SchedulerCore:
         for resume in msg.resume:
             self._resume_answered(link, resume)
         self.dispatch()
+        for state in submitted:  # placed at once: its worker's first output answers it
+            if not state.done and not any(p.worker_id for p in state.placements.values()):
+                link.status(cluster_pb2.RequestStatus(request_id=state.request_id))
 
     def gateway_lost(self, link: GatewayLink, now: float) -> None:
         """Its stream ended: its requests wait gateway_grace_s for it to come back."""
@@ -169,17 +202,43 @@ class SchedulerCore:
         self.detached[link.gateway_id] = now
         logger.warning("gateway %s disconnected", link.gateway_id)
 
-    def _submit(self, link: GatewayLink, submission: cluster_pb2.Submission) -> None:
+    def _submit(self, link: GatewayLink, submission: cluster_pb2.Submission) -> RequestState | None:
+        """Admit and queue; None: refused (the gateway is told)."""
         request = submission.request
         try:
             state = self._new_request(request, link.gateway_id)
         except AdmissionError as e:
             self.rejections[e.code.name] += 1
             link.status(e.to_status(request.request_id))
-            return
+            return None
         self._record(state, submission)
-        link.status(cluster_pb2.RequestStatus(request_id=state.request_id))
         self._enqueue(self._new_placement(state, 0, state.params.n, []))
+        return state
+
+    def _completed(self, link: GatewayLink, completion: cluster_pb2.Completion) -> None:
+        """The gateway delivered every sequence to its end: the request is over, its slots free.
+        Its workers finished it already (they sent the last tokens), so nothing is sent to them."""
+        state = self.requests.get(completion.request_id)
+        if state is None or state.gateway_id != link.gateway_id:
+            return  # over already: its workers' finishes came first, or it was aborted
+        n = state.params.n
+        if len(completion.finish_reasons) != n or len(completion.num_tokens) != n:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"a completion must list each of the request's "
+                               f"{n} sequences; got {len(completion.finish_reasons)} finish reasons and "
+                               f"{len(completion.num_tokens)} token counts")
+        for index, (reason, count) in enumerate(zip(completion.finish_reasons, completion.num_tokens)):
+            if state.finish_reasons[index] is None:
+                state.finish_reasons[index] = reason or "stop"
+                state.num_tokens[index] = count
+        state.num_cached_tokens = completion.num_cached_tokens
+        for placement in state.placements.values():
+            worker = self.workers.get(placement.worker_id) if placement.worker_id is not None else None
+            if worker is not None:
+                worker.complete(placement)
+        state.placements.clear()
+        self.queue = [p for p in self.queue if p.request is not state]
+        self.resuming = {k: p for k, p in self.resuming.items() if p.request is not state}
+        self._forget(state)
 
     def _record(self, state: RequestState, submission: cluster_pb2.Submission) -> None:
         self.requests[state.request_id] = state
@@ -381,6 +440,7 @@ class SchedulerCore:
                 link.end(running.placement_id)
         logger.info("worker %s registered (pid %d on %s, epoch %d, %d KV blocks, %d placements running)",
                     link.worker_id, link.pid, link.host, link.epoch, link.limits.num_blocks, len(register.running))
+        self._retune_reports()
         self._workers_changed()
         self.dispatch()
         return link
@@ -416,7 +476,8 @@ class SchedulerCore:
         placement = link.placements.get(finish.placement_id)
         if placement is None:
             link.take_orphan(finish.placement_id)
-            return  # ended or moved while the report was in flight
+            link.drop_completed(finish.placement_id)
+            return  # completed by its gateway, or ended or moved while the report was in flight
         link.release(placement, abort=False)
         state = placement.request
         state.placements.pop(placement.placement_id, None)
@@ -437,6 +498,7 @@ class SchedulerCore:
         link.closed.set()
         link.wakeup.set()
         purged = self.kvstore.purge_worker(link.worker_id)
+        self._retune_reports()
         moved = list(link.placements.values())
         logger.warning("worker %s lost: %d placements to move, %d index blocks purged", link.worker_id,
                        len(moved), purged)
@@ -445,6 +507,15 @@ class SchedulerCore:
             self._migrate(placement)
         self._workers_changed()
         self.dispatch()
+
+    def _retune_reports(self) -> None:
+        """The number of workers changed: if their report interval should too, tell every worker
+        (a new one hears it in its first message)."""
+        interval = report_interval_s(len(self.workers), self.options.heartbeat_timeout_s)
+        if interval != self.report_interval_s:
+            self.report_interval_s = interval
+            for worker in self.workers.values():
+                worker.report_every(interval)
 
     def check_leases(self, now: float) -> list[WorkerLink]:
         """Periodic: drop workers silent for longer than the heartbeat timeout (a hung process keeps
@@ -541,6 +612,16 @@ class SchedulerCore:
         self.queue.insert(bisect.bisect_right(keys, placement.sort_key), placement)
 
     def dispatch(self) -> None:
+        """Place what the queue allows, then tell the gateways if requests started or stopped
+        waiting (so they report completions at once while requests wait)."""
+        self._place_queued()
+        waiting = bool(self.queue)
+        if waiting != self._announced_waiting:
+            self._announced_waiting = waiting
+            for gateway in self.gateways.values():
+                gateway.requests_waiting(waiting)
+
+    def _place_queued(self) -> None:
         """Place queued sequences in queue order while a worker they fit has room. One that fits no
         live worker (a larger one was lost) waits for one, out of the way; one that fits but finds
         no room stops dispatch, so nothing behind it overtakes it."""

@@ -1,9 +1,11 @@
 """One connected gateway as the scheduler sees it: its requests and its outbox.
 
 A gateway owns its requests: their clients, their tokens (straight from the workers) and their
-Abort. The scheduler answers its submissions, tells it of failures, asks it for the tokens it
-delivered when a placement must move, and keeps it up to date on the workers to subscribe to.
-Everything for one gateway accumulates here and leaves as one GatewayControl per wakeup.
+Abort. The scheduler answers its submissions that it refuses or queues (one placed at once hears
+from its worker instead), tells it of failures, asks it for the tokens it delivered when a
+placement must move, tells it whether requests wait in the queue, and keeps it up to date on the
+workers to subscribe to. Everything for one gateway accumulates here and leaves as one
+GatewayControl per wakeup.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class GatewayLink:
         self._status: list[cluster_pb2.RequestStatus] = []
         self._resume: list[cluster_pb2.ResumeQuery] = []
         self._workers: cluster_pb2.GatewayControl | None = None
+        self._requests_waiting: bool | None = None  # unsent news about the queue
         self.wakeup = asyncio.Event()
         self.closed = asyncio.Event()
 
@@ -38,11 +41,20 @@ class GatewayLink:
         self._workers = control
         self.wakeup.set()
 
+    def requests_waiting(self, waiting: bool) -> None:
+        """The queue filled (sent at once) or emptied (sent with the next message: until then the
+        gateway reports completions at once, which costs messages, not correctness)."""
+        self._requests_waiting = waiting
+        if waiting:
+            self.wakeup.set()
+
     def take_message(self) -> cluster_pb2.GatewayControl | None:
-        if not self._status and not self._resume and self._workers is None:
+        if not self._status and not self._resume and self._workers is None and not self._requests_waiting:
             return None
         msg = cluster_pb2.GatewayControl(status=self._status, resume=self._resume)
         if self._workers is not None:
             msg.MergeFrom(self._workers)
-        self._status, self._resume, self._workers = [], [], None
+        if self._requests_waiting is not None:
+            msg.requests_waiting = self._requests_waiting
+        self._status, self._resume, self._workers, self._requests_waiting = [], [], None, None
         return msg

@@ -30,6 +30,9 @@ class WorkerLink:
         self.draining = False
         self.last_seen = time.monotonic()
         self.placements: dict[str, Placement] = {}
+        # Placements their gateway completed whose finish the worker has not reported yet: their
+        # blocks still count as placed here (inflight_blocks), their slots are free.
+        self.completed: dict[str, Placement] = {}
         # Placements the worker reported at registration whose request no gateway has reported yet
         # (after a scheduler restart): they hold slots until adopted or ended.
         self.orphans: dict[str, cluster_pb2.RunningPlacement] = {}
@@ -40,6 +43,7 @@ class WorkerLink:
         self._queued_prefill = 0
         self._assign: list[cluster_pb2.Assignment] = []
         self._end: list[cluster_pb2.PlacementEnd] = []
+        self._report_interval_s = 0.0  # a new interval to send; 0: none
         self.wakeup = asyncio.Event()
         self.closed = asyncio.Event()  # set when the scheduler gives up on this link (lease expired)
 
@@ -92,13 +96,8 @@ class WorkerLink:
         or handed back."""
         if self.placements.pop(placement.placement_id, None) is None:
             return
-        for h in placement.block_hashes:
-            self.inflight_blocks[h] -= 1
-            if self.inflight_blocks[h] <= 0:
-                del self.inflight_blocks[h]
-        self.num_placed_seqs -= placement.num_seqs
-        if placement.reports_since_placed < 2:
-            self._queued_prefill -= placement.prefill_tokens
+        self._free_slots(placement)
+        self._drop_blocks(placement)
         if abort:
             unsent = [a for a in self._assign if a.placement_id != placement.placement_id]
             if len(unsent) < len(self._assign):  # never reached the worker: nothing to abort there
@@ -106,15 +105,47 @@ class WorkerLink:
             else:
                 self.end(placement.placement_id, finish_reasons, num_tokens)
 
+    def complete(self, placement: Placement) -> None:
+        """Its gateway delivered every sequence: the slots are free now, but its blocks count as
+        placed here until the worker's own finish, which comes with the block events that put them
+        in the prefix index."""
+        if self.placements.pop(placement.placement_id, None) is None:
+            return
+        self._free_slots(placement)
+        self.completed[placement.placement_id] = placement
+
+    def drop_completed(self, placement_id: str) -> None:
+        """The worker reported its finish of a placement completed before: its blocks are indexed."""
+        self._drop_blocks(self.completed.pop(placement_id, None))
+
+    def _free_slots(self, placement: Placement) -> None:
+        self.num_placed_seqs -= placement.num_seqs
+        if placement.reports_since_placed < 2:
+            self._queued_prefill -= placement.prefill_tokens
+
+    def _drop_blocks(self, placement: Placement | None) -> None:
+        if placement is None:
+            return
+        for h in placement.block_hashes:
+            self.inflight_blocks[h] -= 1
+            if self.inflight_blocks[h] <= 0:
+                del self.inflight_blocks[h]
+
     def end(self, placement_id: str, finish_reasons: Sequence[str] = (), num_tokens: Sequence[int] = ()) -> None:
         """Tell the worker to end a placement it runs."""
         self._end.append(cluster_pb2.PlacementEnd(placement_id=placement_id, finish_reasons=list(finish_reasons),
                                                   num_tokens=list(num_tokens)))
         self.wakeup.set()
 
+    def report_every(self, interval_s: float) -> None:
+        """Tell the worker how often to report (sent at once: it changes rarely)."""
+        self._report_interval_s = interval_s
+        self.wakeup.set()
+
     def take_message(self) -> cluster_pb2.SchedulerMessage | None:
-        if not self._assign and not self._end:
+        if not self._assign and not self._end and not self._report_interval_s:
             return None
-        msg = cluster_pb2.SchedulerMessage(assign=self._assign, end=self._end)
-        self._assign, self._end = [], []
+        msg = cluster_pb2.SchedulerMessage(assign=self._assign, end=self._end,
+                                           report_interval_s=self._report_interval_s)
+        self._assign, self._end, self._report_interval_s = [], [], 0.0
         return msg

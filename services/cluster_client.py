@@ -1,10 +1,16 @@
 """The gateway's side of the cluster: a control stream to the scheduler, token streams from the workers.
 
 A gateway owns its requests. It submits each to the scheduler over one GatewayHub stream (with
-every other submission and abort of the moment, in one message) and gets back "admitted" or a
-refusal. Their tokens do not come back that way: the gateway subscribes to every worker's
-TokenStream (the scheduler keeps it told which workers exist), and each worker sends the output of
-this gateway's placements there, one TokenBatch per engine step.
+every other submission, abort and completion of the moment, in one message) and gets back a
+refusal, or "admitted" if the request waits in the scheduler's queue. Their tokens do not come back
+that way: the gateway subscribes to every worker's TokenStream (the scheduler keeps it told which
+workers exist), and each worker sends the output of this gateway's placements there, one
+TokenBatch per engine step. A request placed at once is admitted by its worker's first output.
+
+When a request's last token arrives, the gateway tells the scheduler (a Completion: the slots are
+free). It does so with its next submission, or after COMPLETION_DELAY_S, so a busy gateway's
+completions cost the scheduler no message of their own; while requests wait in the scheduler's
+queue (it says so), at once.
 
 What this side keeps per request is what the scheduler does not: the tokens delivered per
 sequence. So when a placement must move (its worker died or handed it back), the scheduler asks
@@ -37,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
 RETRY_AFTER_S = "1"
+# How long a completion may wait to ride with a submission while no request waits for a slot.
+# Meanwhile the scheduler counts the slots busy, which matters only if they would take a request:
+# then the queue fills, the scheduler says so, and completions go at once.
+COMPLETION_DELAY_S = 0.1
 
 
 @dataclass
@@ -80,6 +90,9 @@ class ClusterClient:
         self._submit: list[cluster_pb2.Submission] = []
         self._abort: list[generation_pb2.AbortRequest] = []
         self._resume: list[cluster_pb2.ResumeState] = []
+        self._completed: list[cluster_pb2.Completion] = []
+        self._completion_timer: asyncio.TimerHandle | None = None
+        self._requests_waiting = False  # as the scheduler last said
         self._wakeup = asyncio.Event()
         self._connected = False
         self._models: list[generation_pb2.ModelInfo] = []
@@ -190,7 +203,7 @@ class ClusterClient:
         # this; aborts and answers meant for the previous stream are moot (an unreported request
         # is over for the scheduler; it asks again for what it still needs).
         in_flight = [o.submission for o in self._requests.values() if not o.ended]
-        self._submit, self._abort, self._resume = [], [], []
+        self._submit, self._abort, self._resume, self._completed = [], [], [], []
         yield cluster_pb2.GatewayMessage(register=cluster_pb2.GatewayRegister(gateway_id=self.gateway_id,
                                                                               in_flight=in_flight))
         while True:
@@ -198,10 +211,14 @@ class ClusterClient:
             if session != self._session:
                 return  # a dead call's iterator, which grpc may still run: it must not take messages
             self._wakeup.clear()
-            if not (self._submit or self._abort or self._resume):
+            if not (self._submit or self._abort or self._resume or self._completed):
                 continue
-            msg = cluster_pb2.GatewayMessage(submit=self._submit, abort=self._abort, resume=self._resume)
-            self._submit, self._abort, self._resume = [], [], []
+            msg = cluster_pb2.GatewayMessage(submit=self._submit, abort=self._abort, resume=self._resume,
+                                             completed=self._completed)
+            self._submit, self._abort, self._resume, self._completed = [], [], [], []
+            if self._completion_timer is not None:
+                self._completion_timer.cancel()
+                self._completion_timer = None
             yield msg
 
     def _handle(self, msg: cluster_pb2.GatewayControl) -> None:
@@ -209,6 +226,10 @@ class ClusterClient:
             self._on_status(status)
         for query in msg.resume:
             self._on_resume_query(query)
+        if msg.HasField("requests_waiting"):
+            self._requests_waiting = msg.requests_waiting
+            if self._requests_waiting and self._completed:
+                self._wakeup.set()
         if msg.workers_changed:
             self._models = list(msg.models)
             self._subscribe_to(msg.workers)
@@ -239,6 +260,21 @@ class ClusterClient:
             self._resume.append(cluster_pb2.ResumeState(
                 placement_id=query.placement_id, tokens=[generation_pb2.TokenIds(ids=owned.tokens[i]) for i in indices],
                 finish_reasons=[owned.finish_reasons[i] for i in indices]))
+        self._wakeup.set()
+
+    def _complete(self, owned: OwnedRequest) -> None:
+        """Every sequence ended here: tell the scheduler, now if requests wait, else with the next
+        submission or after COMPLETION_DELAY_S."""
+        self._completed.append(cluster_pb2.Completion(
+            request_id=owned.request.request_id, finish_reasons=owned.finish_reasons,
+            num_tokens=[len(t) for t in owned.tokens], num_cached_tokens=owned.num_cached_tokens or 0))
+        if self._requests_waiting:
+            self._wakeup.set()
+        elif self._completion_timer is None:
+            self._completion_timer = asyncio.get_running_loop().call_later(COMPLETION_DELAY_S, self._flush_completions)
+
+    def _flush_completions(self) -> None:
+        self._completion_timer = None
         self._wakeup.set()
 
     def _lost_output(self, owned: OwnedRequest) -> None:
@@ -284,6 +320,10 @@ class ClusterClient:
             owned = self._requests.get(out.request_id)
             if owned is None or owned.ended or out.placement_id in owned.retired:
                 continue
+            if not owned.admitted.done():  # placed at once: the scheduler sent no word
+                owned.admitted.set_result(True)
+            if not out.seqs:  # the worker took the placement; no output yet
+                continue
             msg = generation_pb2.GenerateResponse(request_id=out.request_id)
             if owned.num_cached_tokens is None:
                 owned.num_cached_tokens = msg.num_cached_tokens = out.num_cached_tokens
@@ -305,6 +345,7 @@ class ClusterClient:
                 continue
             if all(owned.finish_reasons):
                 owned.ended = True
+                self._complete(owned)
                 msg.usage.CopyFrom(generation_pb2.Usage(
                     prompt_tokens=len(owned.request.token_ids.ids), completion_tokens=sum(map(len, owned.tokens)),
                     cached_tokens=owned.num_cached_tokens or 0))

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from metroserve.common.tokenizer import load_tokenizer
-from metroserve.rpc import GENERATION_SERVICE, GRPC_OPTIONS, generation_pb2_grpc
+from metroserve.rpc import GENERATION_SERVICE, SERVER_GRPC_OPTIONS, generation_pb2_grpc
 from metroserve.rpc.auth import ClusterCredentials
 from metroserve.services.chat_serving import ChatServing
 from metroserve.services.cluster_client import ClusterClient
@@ -88,7 +88,8 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     server = None
     readiness = None
     if options.grpc_port:
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
+        server = grpc.aio.server(options=SERVER_GRPC_OPTIONS,
+                                 interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
         generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name, metrics),
                                                              server)
         health_servicer = health.aio.HealthServicer()

@@ -19,7 +19,7 @@ from metroserve.common.request_limits import RequestLimits, check_request, fits,
 from metroserve.common.sampling_params import SamplingParams
 from metroserve.kvstore import MemoryKVStore
 from metroserve.rpc import cluster_pb2, generation_pb2
-from metroserve.scheduler.core import CoreOptions, ErrorCode, RequestError, SchedulerCore
+from metroserve.scheduler.core import CoreOptions, ErrorCode, RequestError, SchedulerCore, report_interval_s
 from metroserve.scheduler.gateway_link import GatewayLink
 from metroserve.scheduler.request_state import RequestState
 from metroserve.scheduler.worker_link import WorkerLink
@@ -104,9 +104,15 @@ def ended(link: WorkerLink) -> list[cluster_pb2.PlacementEnd]:
 
 def submit(core: SchedulerCore, gateway: GatewayLink, request: generation_pb2.GenerateRequest,
            now: float = 1.0) -> cluster_pb2.RequestStatus:
-    """The gateway submits one request; returns the scheduler's answer to it."""
+    """The gateway submits one request; returns the scheduler's answer to it: its RequestStatus, or
+    for a request placed at once, which gets none (its worker's first output answers), an empty one."""
     core.gateway_message(gateway, cluster_pb2.GatewayMessage(submit=[cluster_pb2.Submission(request=request)]), now)
-    return statuses(gateway)[request.request_id]
+    status = statuses(gateway).get(request.request_id)
+    if status is None:
+        state = core.requests[request.request_id]
+        assert state.placements and all(p.worker_id for p in state.placements.values()), "queued, but not told"
+        return cluster_pb2.RequestStatus(request_id=request.request_id)
+    return status
 
 
 def admit(core: SchedulerCore, gateway: GatewayLink, request: generation_pb2.GenerateRequest,
@@ -334,6 +340,99 @@ def test_a_finished_placement_frees_its_slot_and_its_request_is_counted_and_forg
     assert core.num_finished == 1 and a.num_placed_seqs == 2 and state.num_tokens == [3, 8]
     assert (core.status().num_finished, core.status().num_active_requests) == (1, 1)
     assert list(control(gw).status) == []  # the gateway saw the end on its token stream
+
+
+def complete(core: SchedulerCore, gateway: GatewayLink, request_id: str, finish_reasons: list[str],
+             num_tokens: list[int], num_cached_tokens: int = 0, now: float = 1.0) -> None:
+    msg = cluster_pb2.GatewayMessage(completed=[cluster_pb2.Completion(
+        request_id=request_id, finish_reasons=finish_reasons, num_tokens=num_tokens,
+        num_cached_tokens=num_cached_tokens)])
+    core.gateway_message(gateway, msg, now)
+
+
+def test_a_gateways_completion_frees_the_slots_at_once_and_the_blocks_count_until_the_workers_finish(caplog):
+    core = make_core()
+    gw = add_gateway(core)
+    a = add_worker(core, "a", max_num_seqs=2)
+    prompt = list(range(1, 41))  # two full blocks
+    hashes = hash_prompt_blocks(prompt, LIMITS["block_size"])
+    state = admit(core, gw, gen(prompt, request_id="r", n=2))
+    admit(core, gw, gen([4, 5, 6], request_id="waiting", n=2))
+    (assignment,) = assigned(a)
+    assert len(hashes) == 2 and all(a.inflight_blocks[h] == 1 for h in hashes)
+    with caplog.at_level(logging.INFO, logger="metroserve.requests"):
+        complete(core, gw, "r", ["stop", "length"], [3, 8], num_cached_tokens=16)
+    assert state.done and "r" not in core.requests and core.num_finished == 1
+    assert state.usage() == generation_pb2.Usage(prompt_tokens=40, completion_tokens=11, cached_tokens=16)
+    (line,) = request_log(caplog)
+    assert (line["request_id"], line["finish_reasons"]) == ("r", ["stop", "length"])
+    (nxt,) = assigned(a)  # the slots went to the queue; nothing was sent to end "r": it ended there
+    assert nxt.request_id == "waiting" and a.num_placed_seqs == 2
+    assert all(a.inflight_blocks[h] == 1 for h in hashes)  # not indexed yet: still counted as placed
+    finish(core, a, assignment.placement_id, ["stop", "length"], [3, 8])  # the worker's report, later
+    assert not any(h in a.inflight_blocks for h in hashes) and not a.completed
+    assert core.num_finished == 1 and a.num_placed_seqs == 2 and a.take_message() is None
+    complete(core, gw, "r", ["stop", "stop"], [1, 1])  # over already: changes nothing
+    assert core.num_finished == 1 and state.num_tokens == [3, 8] and list(control(gw).status) == []
+
+
+def test_a_completion_must_name_every_sequence_and_come_from_the_owning_gateway():
+    core = make_core()
+    gw, other = add_gateway(core, "g"), add_gateway(core, "other")
+    a = add_worker(core, "a")
+    state = admit(core, gw, gen([1, 2, 3], request_id="r", n=2))
+    assigned(a)
+    complete(core, other, "r", ["stop", "stop"], [1, 1])
+    complete(core, gw, "r", ["stop"], [1])
+    status = statuses(gw)["r"]
+    assert status.code == "INVALID_ARGUMENT" and "2 sequences" in status.message
+    assert not state.done and a.num_placed_seqs == 2 and statuses(other) == {}
+
+
+def test_gateways_hear_when_requests_start_and_stop_waiting_in_the_queue():
+    core = make_core()
+    gw = add_gateway(core)
+    control(gw)
+    a = add_worker(core, "a", max_num_seqs=1)
+    control(gw)
+    admit(core, gw, gen([1, 2, 3], request_id="placed"))  # placed at once: no word, no news
+    assigned(a)
+    core.gateway_message(gw, cluster_pb2.GatewayMessage(submit=[cluster_pb2.Submission(
+        request=gen([4, 5, 6], request_id="queued"))]), 1.0)
+    msg = control(gw)  # admitted (it waits), and the queue's news, at once
+    assert [(s.request_id, s.code) for s in msg.status] == [("queued", "")]
+    assert msg.HasField("requests_waiting") and msg.requests_waiting
+    late = add_gateway(core, "late")
+    assert control(late).requests_waiting  # a gateway that connects now is told
+    complete(core, gw, "placed", ["stop"], [2])
+    assert [x.request_id for x in assigned(a)] == ["queued"] and not core.queue
+    assert gw.take_message() is None  # the queue emptied: news that waits for the next message
+    core.gateway_message(gw, cluster_pb2.GatewayMessage(submit=[cluster_pb2.Submission(
+        request=gen([1] * 300, request_id="too-long"))]), 1.0)
+    msg = control(gw)
+    assert [s.code for s in msg.status] == ["INVALID_ARGUMENT"]
+    assert msg.HasField("requests_waiting") and not msg.requests_waiting
+
+
+def report_sent(link: WorkerLink) -> float:
+    msg = link.take_message()
+    assert msg is not None and not msg.assign and not msg.end
+    return msg.report_interval_s
+
+
+def test_workers_report_less_often_as_they_grow_in_number_but_within_the_heartbeat_timeout():
+    assert [report_interval_s(w, 30.0) for w in (1, 16, 17, 32, 33, 64, 65)] == [1, 1, 2, 2, 4, 4, 8]
+    assert report_interval_s(10_000, 30.0) == 10.0  # a busy worker's reports are its heartbeats
+    core = make_core()
+    links = [add_worker(core, f"w{i}") for i in range(16)]
+    assert core.report_interval_s == 1.0 and all(w.take_message() is None for w in links)
+    links.append(add_worker(core, "w16"))  # 17 workers: every one hears the new interval, once
+    assert [report_sent(w) for w in links] == [2.0] * 17
+    add_worker(core, "w17")
+    assert all(w.take_message() is None for w in links)
+    core.worker_lost(links[0])
+    core.worker_lost(links[1])  # 16 again
+    assert [report_sent(w) for w in links[2:]] == [1.0] * 15
 
 
 # -- migration, leases, drain -----------------------------------------------------------------

@@ -3,12 +3,16 @@ scheduler, which tells it what to run, and the gateways, which get the tokens.
 
 Two gRPC paths, both authenticated with the cluster's credentials (metroserve.rpc.auth):
 - Control: the worker dials the scheduler and keeps one bidirectional stream open for its life.
-  Assignments and ends come down; up go finished placements, rejections and hand-backs as soon as
-  they happen, and the load and the prefix-cache block events every REPORT_INTERVAL_S (or a
-  heartbeat when idle). Nothing per token: the scheduler's work grows with requests and workers.
+  Assignments and ends come down; up go rejections and hand-backs as soon as they happen, and
+  finished placements, the load and the prefix-cache block events at the interval the scheduler
+  sets (REPORT_INTERVAL_S until it says; a heartbeat when idle). Finishes can wait: the gateway
+  that delivered a request's last token tells the scheduler sooner. Nothing per token or per
+  request: the scheduler's messages from a worker grow with time, not with its work.
 - Tokens: the worker serves TokenStream. Each gateway subscribes once; after every engine step,
   the outputs of the placements a gateway owns (named in each Assignment) leave as one TokenBatch
-  on that gateway's stream. Output for a gateway that has not subscribed yet waits in its outbox.
+  on that gateway's stream, with an empty output for each placement taken since the last step (the
+  gateway's word that its request runs). Output for a gateway that has not subscribed yet waits in
+  its outbox.
 
 Steps run on the event loop's thread; between two steps the StepSink hands over the outputs, and
 the next step waits (at most SEND_WAIT_S) until every subscribed gateway's stream took them, so
@@ -44,7 +48,7 @@ from opentelemetry.context import Context
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 
-from metroserve.rpc import GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
+from metroserve.rpc import GRPC_OPTIONS, SERVER_GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
 from metroserve.rpc.auth import ClusterCredentials, add_server_port, open_channel, server_interceptors
 from metroserve.rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
 from metroserve.services.metrics_http import start_metrics_server
@@ -56,11 +60,12 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
 SEND_WAIT_S = 1.0
-# Load and block events go up with every finish (at once: it frees a slot), else at most this
-# often. A finished prompt's blocks thus reach the prefix index when its slot frees (until then
-# the scheduler counts them as placed there); only blocks a decode fills can lag this much. The
-# scheduler's cost then grows with requests and workers, not with the step rate: reporting every
-# 0.1 s cost 64 workers' scheduler 640 messages a second.
+# Finishes, load and block events go up at most this often, until the scheduler sets another
+# interval (SchedulerMessage.report_interval_s; it raises it as workers join). A finished prompt's
+# blocks reach the prefix index with the placement's finish (until then the scheduler counts them as
+# placed here); blocks a decode fills can lag this much. The scheduler's cost then grows with
+# workers, not with the step or request rate: reporting every 0.1 s cost 64 workers' scheduler 640
+# messages a second.
 REPORT_INTERVAL_S = 1.0
 
 
@@ -117,9 +122,11 @@ class WorkerService:
         self._stored: list[bytes] = []
         self._removed: list[bytes] = []
         self._handed_back: list[str] = []
+        self._taken: set[str] = set()  # gateways with placements taken since the last step
         self._urgent = asyncio.Event()  # something the scheduler must hear now
         self._control_sent = asyncio.Event()  # a message went to the scheduler
         self._heartbeat_s = 1.0
+        self._report_interval_s = REPORT_INTERVAL_S
         self._session_number = 0  # of the current scheduler stream
         self._draining = False
         self._stop = asyncio.Event()
@@ -132,7 +139,7 @@ class WorkerService:
 
     def step_done(self, result: StepResult) -> Awaitable[None] | None:
         self._stats = result.stats
-        touched: set[str] = set()
+        touched, self._taken = self._taken, set()
         for out in result.outputs:
             placement = self.placements.get(out.request_id)
             if placement is None:
@@ -192,7 +199,6 @@ class WorkerService:
         self._finished.append(cluster_pb2.PlacementFinish(
             placement_id=out.request_id, finish_reasons=[c.finish_reason or "abort" for c in out.outputs],
             num_tokens=placement.num_tokens, num_cached_tokens=out.num_cached_tokens))
-        self._urgent.set()
         if placement.trace_parent is not None:
             self._trace(out, placement.trace_parent)
         self._discard(out.request_id)
@@ -294,8 +300,8 @@ class WorkerService:
         last_report = 0.0
         while True:
             now = time.monotonic()
-            wait = self._heartbeat_s if not (self._stored or self._removed) else \
-                max(0.0, last_report + REPORT_INTERVAL_S - now)
+            wait = self._heartbeat_s if not (self._stored or self._removed or self._finished) else \
+                max(0.0, last_report + self._report_interval_s - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), wait)
             if session != self._session_number:
@@ -312,6 +318,8 @@ class WorkerService:
     def _handle(self, msg: cluster_pb2.SchedulerMessage) -> None:
         if msg.heartbeat_interval_s > 0:
             self._heartbeat_s = msg.heartbeat_interval_s
+        if msg.report_interval_s > 0:
+            self._report_interval_s = msg.report_interval_s
         for end in msg.end:  # its finished output (counted, traced) comes from the next step_done
             self.engine.abort(end.placement_id, list(end.finish_reasons), list(end.num_tokens))
         for a in msg.assign:
@@ -327,6 +335,9 @@ class WorkerService:
             parent = extract_context(dict(a.trace_context)) if self.tracer is not None and a.trace_context else None
             self.placements[a.placement_id] = ActivePlacement(
                 a.request_id, a.gateway_id, a.base_index, params.n, [len(a.resume_token_ids)] * params.n, parent)
+            self._outbox(a.gateway_id).outputs.append(cluster_pb2.PlacementOutput(
+                placement_id=a.placement_id, request_id=a.request_id, base_index=a.base_index))
+            self._taken.add(a.gateway_id)
             self._idle.clear()
 
     async def _session(self) -> None:
@@ -377,10 +388,11 @@ class WorkerService:
                     for pid in self._handed_back:
                         self.engine.abort(pid)
                         self._discard(pid)
-                    self._control_sent.clear()
-                    self._urgent.set()
-                    with contextlib.suppress(TimeoutError):  # the hand-back must reach the scheduler
-                        await asyncio.wait_for(self._control_sent.wait(), SEND_WAIT_S)
+            # The hand-back, and finishes waiting for the next report, must reach the scheduler.
+            self._control_sent.clear()
+            self._urgent.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._control_sent.wait(), SEND_WAIT_S)
             # What the last steps made must reach the gateways before the process goes.
             await self._until_sent([(o, o.queued_version) for o in self.outboxes.values() if o.subscribed])
         finally:
@@ -388,7 +400,7 @@ class WorkerService:
 
     async def _start_servers(self) -> list[grpc.aio.Server]:
         o = self.options
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(o.credentials))
+        server = grpc.aio.server(options=SERVER_GRPC_OPTIONS, interceptors=server_interceptors(o.credentials))
         cluster_pb2_grpc.add_TokenStreamServicer_to_server(TokenStreamService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = add_server_port(server, f"{o.host}:{o.port}", o.credentials)

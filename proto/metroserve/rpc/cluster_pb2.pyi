@@ -175,14 +175,16 @@ class PlacementEnd(_message.Message):
     def __init__(self, placement_id: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("assign", "end", "heartbeat_interval_s")
+    __slots__ = ("assign", "end", "heartbeat_interval_s", "report_interval_s")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     assign: _containers.RepeatedCompositeFieldContainer[Assignment]
     end: _containers.RepeatedCompositeFieldContainer[PlacementEnd]
     heartbeat_interval_s: float
-    def __init__(self, assign: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., end: _Optional[_Iterable[_Union[PlacementEnd, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    report_interval_s: float
+    def __init__(self, assign: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., end: _Optional[_Iterable[_Union[PlacementEnd, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
 
 class Submission(_message.Message):
     __slots__ = ("request", "trace_context")
@@ -217,17 +219,31 @@ class ResumeState(_message.Message):
     finish_reasons: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, placement_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[_generation_pb2.TokenIds, _Mapping]]] = ..., finish_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class Completion(_message.Message):
+    __slots__ = ("request_id", "finish_reasons", "num_tokens", "num_cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    finish_reasons: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
 class GatewayMessage(_message.Message):
-    __slots__ = ("register", "submit", "abort", "resume")
+    __slots__ = ("register", "submit", "abort", "resume", "completed")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
     register: GatewayRegister
     submit: _containers.RepeatedCompositeFieldContainer[Submission]
     abort: _containers.RepeatedCompositeFieldContainer[_generation_pb2.AbortRequest]
     resume: _containers.RepeatedCompositeFieldContainer[ResumeState]
-    def __init__(self, register: _Optional[_Union[GatewayRegister, _Mapping]] = ..., submit: _Optional[_Iterable[_Union[Submission, _Mapping]]] = ..., abort: _Optional[_Iterable[_Union[_generation_pb2.AbortRequest, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[ResumeState, _Mapping]]] = ...) -> None: ...
+    completed: _containers.RepeatedCompositeFieldContainer[Completion]
+    def __init__(self, register: _Optional[_Union[GatewayRegister, _Mapping]] = ..., submit: _Optional[_Iterable[_Union[Submission, _Mapping]]] = ..., abort: _Optional[_Iterable[_Union[_generation_pb2.AbortRequest, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[ResumeState, _Mapping]]] = ..., completed: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
 
 class RequestStatus(_message.Message):
     __slots__ = ("request_id", "code", "message", "retry_after_s", "param")
@@ -266,18 +282,20 @@ class WorkerEndpoint(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GatewayControl(_message.Message):
-    __slots__ = ("status", "resume", "workers_changed", "workers", "models")
+    __slots__ = ("status", "resume", "workers_changed", "workers", "models", "requests_waiting")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     WORKERS_CHANGED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     status: _containers.RepeatedCompositeFieldContainer[RequestStatus]
     resume: _containers.RepeatedCompositeFieldContainer[ResumeQuery]
     workers_changed: bool
     workers: _containers.RepeatedCompositeFieldContainer[WorkerEndpoint]
     models: _containers.RepeatedCompositeFieldContainer[_generation_pb2.ModelInfo]
-    def __init__(self, status: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[ResumeQuery, _Mapping]]] = ..., workers_changed: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerEndpoint, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[_generation_pb2.ModelInfo, _Mapping]]] = ...) -> None: ...
+    requests_waiting: bool
+    def __init__(self, status: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[ResumeQuery, _Mapping]]] = ..., workers_changed: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerEndpoint, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[_generation_pb2.ModelInfo, _Mapping]]] = ..., requests_waiting: _Optional[bool] = ...) -> None: ...
 
 class Subscription(_message.Message):
     __slots__ = ("gateway_id",)
