@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metroserve.common.block_hash import extra_keys_for, hash_prompt_blocks
-from metroserve.common.request_limits import check_request, fits
+from metroserve.common.request_limits import RequestLimits, check_request, fits
 from metroserve.common.sampling_params import ParamError, SamplingParams
 from metroserve.kvstore import MemoryKVStore
 from metroserve.rpc import cluster_pb2, generation_pb2
@@ -139,11 +139,23 @@ class SchedulerCore:
         self.telemetry = RequestTelemetry(options.log_requests)
         self._rotation = 0  # spreads ties between equally good workers
         self._announced_waiting = False  # what the gateways were last told of the queue
+        self._live_groups: list[tuple[RequestLimits, list[WorkerLink]]] | None = None
         self.report_interval_s = report_interval_s(0, options.heartbeat_timeout_s)  # what workers are told
 
     def live_workers(self) -> list[WorkerLink]:
         """Workers that take new work (not draining)."""
         return [w for w in self.workers.values() if not w.draining]
+
+    def _live_by_limits(self) -> list[tuple[RequestLimits, list[WorkerLink]]]:
+        """Live workers grouped by their limits, the largest KV pool first. Cached until a worker
+        comes, goes or drains: admission and every placement read it, and a cluster has few
+        distinct limits however many workers it has."""
+        if self._live_groups is None:
+            groups: dict[RequestLimits, list[WorkerLink]] = {}
+            for w in self.live_workers():
+                groups.setdefault(w.limits, []).append(w)
+            self._live_groups = sorted(groups.items(), key=lambda g: -g[0].num_blocks)
+        return self._live_groups
 
     # -- gateways ----------------------------------------------------------------------------
 
@@ -328,7 +340,7 @@ class SchedulerCore:
         except ParamError as e:
             raise AdmissionError(ErrorCode.INVALID_ARGUMENT, str(e), param=e.param) from None
         prompt = list(request.token_ids.ids)
-        live = self.live_workers()
+        live = self._live_by_limits()
         if not admitted_before and (live or not self.in_recovery(time.monotonic())):
             # Just restarted, with no worker back yet: admitted now, checked when placed.
             if not live:
@@ -344,11 +356,12 @@ class SchedulerCore:
                             request.cache_salt or None)
 
     @staticmethod
-    def _check_limits(prompt: list[int], params: SamplingParams, live: list[WorkerLink]) -> None:
+    def _check_limits(prompt: list[int], params: SamplingParams,
+                      live: list[tuple[RequestLimits, list[WorkerLink]]]) -> None:
         """Admit if some live worker's limits admit the request (the one full check it gets);
         otherwise refuse with what the largest worker objects to."""
         error: ParamError | None = None
-        for limits in sorted({w.limits for w in live}, key=lambda lim: -lim.num_blocks):
+        for limits, _ in live:
             try:
                 check_request(prompt, params, limits)
                 return
@@ -430,6 +443,7 @@ class SchedulerCore:
         link = WorkerLink(register, limits_from_proto(register.limits))
         link.last_seen = now
         self.workers[link.worker_id] = link
+        self._live_groups = None
         for running in register.running:
             state = self.requests.get(running.request_id)
             if state is not None and self._adoptable(state, running):
@@ -452,6 +466,7 @@ class SchedulerCore:
         if msg.draining and not link.draining:
             logger.info("worker %s is draining", link.worker_id)
             link.draining = True
+            self._live_groups = None
         if msg.blocks_stored:
             self.kvstore.add_blocks(link.worker_id, link.epoch, msg.blocks_stored)
         if msg.blocks_removed:
@@ -495,6 +510,7 @@ class SchedulerCore:
         if self.workers.get(link.worker_id) is not link:
             return
         del self.workers[link.worker_id]
+        self._live_groups = None
         link.closed.set()
         link.wakeup.set()
         purged = self.kvstore.purge_worker(link.worker_id)
@@ -539,7 +555,7 @@ class SchedulerCore:
         return expired
 
     def _close_recovery(self) -> None:
-        live = self.live_workers()
+        live = self._live_by_limits()
         # What was admitted during the window unchecked (no worker was back) gets its check now.
         for state in {p.request.request_id: p.request for p in self.queue}.values():
             try:
@@ -629,8 +645,9 @@ class SchedulerCore:
         while i < len(self.queue):
             placement = self.queue[i]
             state = placement.request
-            fitting = [w for w in self.live_workers()
-                       if fits(w.limits, len(state.prompt_token_ids), state.largest_token_id, state.params)]
+            num_prompt = len(state.prompt_token_ids)
+            fitting = [w for limits, group in self._live_by_limits()
+                       if fits(limits, num_prompt, state.largest_token_id, state.params) for w in group]
             if not fitting:
                 i += 1
                 continue
@@ -645,9 +662,7 @@ class SchedulerCore:
         shift = self._rotation % len(links)
         links = links[shift:] + links[:shift]
         index_overlap = self.kvstore.match_prefix(placement.block_hashes, {w.worker_id: w.epoch for w in links})
-        load, overlap = choose_worker(placement.num_tokens, placement.block_hashes,
-                                      [w.load_view() for w in links], index_overlap)
-        link = self.workers[load.worker_id]
+        link, overlap = choose_worker(placement.num_tokens, placement.block_hashes, links, index_overlap)
         state = placement.request
         hit_tokens = min(overlap * link.limits.block_size, placement.num_tokens - 1)
         placement.prefill_tokens = placement.num_tokens - hit_tokens

@@ -14,7 +14,7 @@ and what was just placed there (blocks it is computing now, not yet reported).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 # One more running sequence costs about this many prefill tokens: each step is slower for everyone.
 RUNNING_SEQ_COST = 16.0
@@ -22,20 +22,28 @@ RUNNING_SEQ_COST = 16.0
 NO_ROOM_PENALTY = 1e6
 
 
-@dataclass
-class WorkerLoad:
-    worker_id: str
-    num_placed_seqs: int
-    queued_prefill_tokens: int
-    num_free_blocks: int
-    block_size: int
-    inflight_blocks: Counter  # block hash -> placements computing it there now
+class WorkerLoad(Protocol):
+    """What placement reads of a candidate worker (scheduler/worker_link.py's WorkerLink is one:
+    read in place, since every placement reads every candidate)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def num_placed_seqs(self) -> int: ...
+    @property
+    def queued_prefill_tokens(self) -> int: ...  # prefill tokens placed there, maybe not computed yet
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def inflight_blocks(self) -> Counter: ...  # block hash -> placements computing it there now
 
 
 def leading_matches(hashes: list[bytes], held: Counter) -> int:
     n = 0
     for h in hashes:
-        if not held[h]:
+        if not held.get(h):  # not held[h]: a Counter's miss is a Python-level call
             break
         n += 1
     return n
@@ -49,10 +57,13 @@ def placement_cost(num_prompt_tokens: int, overlap_blocks: int, load: WorkerLoad
     return cost
 
 
-def choose_worker(num_prompt_tokens: int, hashes: list[bytes], loads: list[WorkerLoad],
-                  index_overlap: dict[str, int]) -> tuple[WorkerLoad, int]:
+L = TypeVar("L", bound=WorkerLoad)
+
+
+def choose_worker(num_prompt_tokens: int, hashes: list[bytes], loads: list[L],
+                  index_overlap: dict[str, int]) -> tuple[L, int]:
     """The cheapest worker and how many leading prompt blocks it holds. Ties go to the first listed."""
-    best: tuple[float, WorkerLoad, int] | None = None
+    best: tuple[float, L, int] | None = None
     for load in loads:
         overlap = max(index_overlap.get(load.worker_id, 0), leading_matches(hashes, load.inflight_blocks))
         cost = placement_cost(num_prompt_tokens, overlap, load)

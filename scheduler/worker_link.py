@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from metroserve.common.request_limits import RequestLimits
 from metroserve.rpc import cluster_pb2
-from metroserve.scheduler.placement import WorkerLoad
 from metroserve.scheduler.request_state import Placement
 
 
@@ -51,12 +50,18 @@ class WorkerLink:
     def capacity(self) -> int:
         return self.limits.max_num_seqs - self.num_placed_seqs
 
+    # What placement reads (scheduler/placement.py's WorkerLoad), besides the attributes above.
+    @property
     def queued_prefill_tokens(self) -> int:
         return self._queued_prefill
 
-    def load_view(self) -> WorkerLoad:
-        return WorkerLoad(self.worker_id, self.num_placed_seqs, self.queued_prefill_tokens(),
-                          self.load.num_free_blocks, self.limits.block_size, self.inflight_blocks)
+    @property
+    def num_free_blocks(self) -> int:
+        return self.load.num_free_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.limits.block_size
 
     def load_reported(self, load: cluster_pb2.LoadReport) -> None:
         self.load = load

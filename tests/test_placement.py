@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from metroserve.common.block_hash import hash_prompt_blocks
-from metroserve.scheduler.placement import RUNNING_SEQ_COST, WorkerLoad, choose_worker, leading_matches
+from metroserve.scheduler.placement import RUNNING_SEQ_COST, choose_worker, leading_matches
 
 BS = 16
 
 
+@dataclass
+class Load:  # a scheduler.placement.WorkerLoad
+    worker_id: str
+    num_placed_seqs: int
+    queued_prefill_tokens: int
+    num_free_blocks: int
+    block_size: int
+    inflight_blocks: Counter
+
+
 def load(worker_id: str, placed: int = 0, queued: int = 0, free: int = 1000, inflight: Counter | None = None):
-    return WorkerLoad(worker_id, placed, queued, free, BS, inflight or Counter())
+    return Load(worker_id, placed, queued, free, BS, inflight or Counter())
 
 
 def test_holder_of_a_long_prefix_wins_until_much_busier():

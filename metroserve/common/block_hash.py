@@ -29,15 +29,7 @@ def extra_keys_for(cache_salt: str | None) -> tuple[str, ...]:
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> BlockHash:
     """Hash of one full block: sha256 over parent, int64 little-endian token ids, extra keys; 16 bytes."""
-    h = hashlib.sha256()
-    h.update(parent)
-    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    for key in extra_keys:
-        encoded = key.encode("utf-8")
-        # Length-prefixed so ("ab", "c") and ("a", "bc") differ.
-        h.update(len(encoded).to_bytes(4, "little"))
-        h.update(encoded)
-    return h.digest()[:16]
+    return _hash_block_bytes(parent, np.asarray(token_ids, dtype="<i8").tobytes(), _encode_keys(extra_keys))
 
 
 def hash_prompt_blocks(
@@ -46,9 +38,27 @@ def hash_prompt_blocks(
     extra_keys: Sequence[str] = (),
     parent: BlockHash = ROOT_HASH,
 ) -> list[BlockHash]:
-    """Chained hashes of every full block of ``token_ids``; a trailing partial block has none."""
+    """Chained hashes of every full block of ``token_ids``; a trailing partial block has none.
+    The same bytes hash_block hashes, converted once for the whole prompt (the scheduler hashes
+    every prompt it places)."""
+    data = np.asarray(token_ids, dtype="<i8").tobytes()
+    keys = _encode_keys(extra_keys)
+    step = 8 * block_size
     hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+    for start in range(0, len(data) - step + 1, step):
+        parent = _hash_block_bytes(parent, data[start:start + step], keys)
         hashes.append(parent)
     return hashes
+
+
+def _encode_keys(extra_keys: Sequence[str]) -> bytes:
+    """Each key length-prefixed, so ("ab", "c") and ("a", "bc") differ."""
+    parts = []
+    for key in extra_keys:
+        encoded = key.encode("utf-8")
+        parts.append(len(encoded).to_bytes(4, "little") + encoded)
+    return b"".join(parts)
+
+
+def _hash_block_bytes(parent: BlockHash, token_bytes: bytes, encoded_keys: bytes) -> BlockHash:
+    return hashlib.sha256(parent + token_bytes + encoded_keys).digest()[:16]
