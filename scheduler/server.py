@@ -28,8 +28,9 @@ from metroserve.services.metrics_http import start_metrics_server
 
 logger = logging.getLogger(__name__)
 
-# How often leases, gateway grace and the recovery window are checked.
-LEASE_CHECK_S = 0.25
+# How often leases, gateway grace and the recovery window are checked (each ends at most this late).
+# Every wakeup costs an idle scheduler CPU: checking 4 times a second cost it ~0.7 ms/s more.
+LEASE_CHECK_S = 1.0
 
 
 @dataclass
