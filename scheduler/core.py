@@ -6,8 +6,9 @@ with GatewayLink and WorkerLink objects, reading what each would be sent from ta
 
 Events and what they cost (none is per token):
 - a gateway submits a request: admit (validate against the workers' limits, queue) and dispatch;
-  the gateway hears the refusal (a grpc status name with retry-after / field), or "admitted" if the
-  request waits in the queue; one placed at once costs no answer (its worker tells the gateway);
+  the gateway hears the refusal (a grpc status name with retry-after / field), or "admitted" at
+  once if the request waits in the queue; one placed at once is acknowledged with the next message
+  to its gateway or at the next lease check (its worker's first output usually says so first);
 - placement: an Assignment to the worker, naming the owning gateway, whose TokenStream gets the
   output directly;
 - completion: the gateway's Completion (it delivered every sequence's last token), which it sends
@@ -200,8 +201,12 @@ class SchedulerCore:
         for resume in msg.resume:
             self._resume_answered(link, resume)
         self.dispatch()
-        for state in submitted:  # placed at once: its worker's first output answers it
-            if not state.done and not any(p.worker_id for p in state.placements.values()):
+        for state in submitted:  # placed at once: its worker's first output usually answers first
+            if state.done:
+                continue
+            if any(p.worker_id for p in state.placements.values()):
+                link.placed(state.request_id)
+            else:
                 link.status(cluster_pb2.RequestStatus(request_id=state.request_id))
 
     def gateway_lost(self, link: GatewayLink, now: float) -> None:
@@ -535,8 +540,9 @@ class SchedulerCore:
 
     def check_leases(self, now: float) -> list[WorkerLink]:
         """Periodic: drop workers silent for longer than the heartbeat timeout (a hung process keeps
-        its connection open), end the requests of gateways gone past their grace, and close the
-        recovery window. Returns the workers dropped."""
+        its connection open), end the requests of gateways gone past their grace, close the
+        recovery window, and send gateways the acknowledgments of requests placed since the last
+        check. Returns the workers dropped."""
         expired = [w for w in self.workers.values() if now - w.last_seen > self.options.heartbeat_timeout_s]
         for link in expired:
             logger.warning("worker %s missed its heartbeat", link.worker_id)
@@ -552,6 +558,8 @@ class SchedulerCore:
         if self.recovery_deadline is not None and not self.in_recovery(now):
             self.recovery_deadline = None
             self._close_recovery()
+        for gateway in self.gateways.values():
+            gateway.flush_placed()
         return expired
 
     def _close_recovery(self) -> None:

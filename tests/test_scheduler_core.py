@@ -104,15 +104,11 @@ def ended(link: WorkerLink) -> list[cluster_pb2.PlacementEnd]:
 
 def submit(core: SchedulerCore, gateway: GatewayLink, request: generation_pb2.GenerateRequest,
            now: float = 1.0) -> cluster_pb2.RequestStatus:
-    """The gateway submits one request; returns the scheduler's answer to it: its RequestStatus, or
-    for a request placed at once, which gets none (its worker's first output answers), an empty one."""
+    """The gateway submits one request; returns the scheduler's answer to it (for a request placed
+    at once, the acknowledgment that waits for the next message, read here at once)."""
     core.gateway_message(gateway, cluster_pb2.GatewayMessage(submit=[cluster_pb2.Submission(request=request)]), now)
-    status = statuses(gateway).get(request.request_id)
-    if status is None:
-        state = core.requests[request.request_id]
-        assert state.placements and all(p.worker_id for p in state.placements.values()), "queued, but not told"
-        return cluster_pb2.RequestStatus(request_id=request.request_id)
-    return status
+    gateway.flush_placed()
+    return statuses(gateway)[request.request_id]
 
 
 def admit(core: SchedulerCore, gateway: GatewayLink, request: generation_pb2.GenerateRequest,
@@ -395,8 +391,14 @@ def test_gateways_hear_when_requests_start_and_stop_waiting_in_the_queue():
     control(gw)
     a = add_worker(core, "a", max_num_seqs=1)
     control(gw)
-    admit(core, gw, gen([1, 2, 3], request_id="placed"))  # placed at once: no word, no news
+    gw.wakeup.clear()  # as the stream's writer does once it has sent everything
+    core.gateway_message(gw, cluster_pb2.GatewayMessage(submit=[cluster_pb2.Submission(
+        request=gen([1, 2, 3], request_id="placed"))]), 1.0)
     assigned(a)
+    assert not gw.wakeup.is_set()  # placed at once: no message of its own, no news of the queue
+    core.check_leases(1.5)  # the tick sends the acknowledgment
+    assert gw.wakeup.is_set() and [(s.request_id, s.code) for s in control(gw).status] == [("placed", "")]
+    gw.wakeup.clear()
     core.gateway_message(gw, cluster_pb2.GatewayMessage(submit=[cluster_pb2.Submission(
         request=gen([4, 5, 6], request_id="queued"))]), 1.0)
     msg = control(gw)  # admitted (it waits), and the queue's news, at once
