@@ -244,10 +244,17 @@ class RestAPI:
                                self.model_name, req.priority, req.cache_salt) for i, prompt in enumerate(req.prompts)]
         merged = _merge(streams)
         try:
-            # Every prompt admitted (or the first refusal raised) before the response starts.
-            first_updates = await merged.__anext__()
-            if req.params.structured_outputs is not None:
-                first_updates = await _until_first_tokens(first_updates, merged, req)
+            try:
+                # Every prompt admitted (or the first refusal raised) before the response starts.
+                first_updates = await merged.__anext__()
+                if req.params.structured_outputs is not None:
+                    first_updates = await _until_first_tokens(first_updates, merged, req)
+            except UpstreamError as e:
+                # A worker refusing a grammar names the engine's field; the client named its own (a
+                # refusal may come before or after the request is admitted).
+                if e.param == "structured_outputs" and req.constraint_field:
+                    e.param = req.constraint_field
+                raise
             if req.stream:
                 return await self._stream(request, builder, req, merged, first_updates)
             choices: dict[int, list[TextDelta]] = {}
@@ -366,22 +373,17 @@ def _add_usage(total: Usage, part: Usage) -> None:
 
 async def _until_first_tokens(first: list, rest: AsyncIterator, req: GenerationRequest) -> list:
     """A constrained request's grammar is compiled by its worker, which refuses one the grammar engine
-    rejects: wait for every prompt's first output (or that refusal, as a 400 naming the request's
-    field) before the response starts."""
+    rejects: wait for every prompt's first output (or that refusal, raised) before the response
+    starts."""
     updates = list(first)
     waiting = set(range(len(req.prompts)))
-    try:
-        while waiting:
-            item = await anext(rest, None)
-            if item is None:
-                break
-            updates.append(item)
-            if item[1].deltas or item[1].usage is not None:
-                waiting.discard(item[0])
-    except UpstreamError as e:
-        if e.param == "structured_outputs" and req.constraint_field:
-            e.param = req.constraint_field
-        raise
+    while waiting:
+        item = await anext(rest, None)
+        if item is None:
+            break
+        updates.append(item)
+        if item[1].deltas or item[1].usage is not None:
+            waiting.discard(item[0])
     return updates
 
 
