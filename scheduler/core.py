@@ -252,10 +252,7 @@ class SchedulerCore:
             worker = self.workers.get(placement.worker_id) if placement.worker_id is not None else None
             if worker is not None:
                 worker.complete(placement)
-        state.placements.clear()
-        self.queue = [p for p in self.queue if p.request is not state]
-        self.resuming = {k: p for k, p in self.resuming.items() if p.request is not state}
-        self._forget(state)
+        self._drop(state)
 
     def _record(self, state: RequestState, submission: cluster_pb2.Submission) -> None:
         self.requests[state.request_id] = state
@@ -415,11 +412,16 @@ class SchedulerCore:
                 counts = [state.num_tokens[i] for i in indices] if told and all(i in told for i in indices) else []
                 link.release(placement, abort=True, finish_reasons=reasons[indices.start:indices.stop],
                              num_tokens=counts)
+        self._drop(state)
+        self.dispatch()
+
+    def _drop(self, state: RequestState) -> None:
+        """The request is over (its placements released by the caller): out of the queue, the
+        migrations under way and the live requests."""
         state.placements.clear()
         self.queue = [p for p in self.queue if p.request is not state]
         self.resuming = {k: p for k, p in self.resuming.items() if p.request is not state}
         self._forget(state)
-        self.dispatch()
 
     def _forget(self, state: RequestState) -> None:
         state.done = True

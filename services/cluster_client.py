@@ -2,10 +2,11 @@
 
 A gateway owns its requests. It submits each to the scheduler over one GatewayHub stream (with
 every other submission, abort and completion of the moment, in one message) and gets back a
-refusal, or "admitted" if the request waits in the scheduler's queue. Their tokens do not come back
-that way: the gateway subscribes to every worker's TokenStream (the scheduler keeps it told which
-workers exist), and each worker sends the output of this gateway's placements there, one
-TokenBatch per engine step. A request placed at once is admitted by its worker's first output.
+refusal, or "admitted" (at once if the request waits in the scheduler's queue, within about a
+second if it was placed). Their tokens do not come back that way: the gateway subscribes to every
+worker's TokenStream (the scheduler keeps it told which workers exist), and each worker sends the
+output of this gateway's placements there, one TokenBatch per engine step. A request placed at
+once is usually admitted by its worker's first output, before the scheduler's word.
 
 When a request's last token arrives, the gateway tells the scheduler (a Completion: the slots are
 free). It does so with its next submission, or after COMPLETION_DELAY_S, so a busy gateway's
@@ -320,7 +321,7 @@ class ClusterClient:
             owned = self._requests.get(out.request_id)
             if owned is None or owned.ended or out.placement_id in owned.retired:
                 continue
-            if not owned.admitted.done():  # placed at once: the scheduler sent no word
+            if not owned.admitted.done():  # placed at once: the scheduler's word comes later
                 owned.admitted.set_result(True)
             if not out.seqs:  # the worker took the placement; no output yet
                 continue
