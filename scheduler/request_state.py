@@ -74,6 +74,7 @@ class RequestState:
     # Telemetry (scheduler/telemetry.py): monotonic times, workers placed on, the trace span.
     arrival_wall_time: float = field(default_factory=time.time)
     placed_time: float | None = None
+    end_time: float | None = None  # when its gateway saw it end, if it says; else when the scheduler did
     workers: list[str] = field(default_factory=list)
     num_migrations: int = 0
     span: Any = None

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from metroserve.kvstore import open_kvstore
-from metroserve.rpc import GENERATION_SERVICE, SERVER_GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc
+from metroserve.rpc import GENERATION_SERVICE, SCHEDULER_GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc
 from metroserve.rpc.auth import ClusterCredentials, add_server_port, server_interceptors
 from metroserve.scheduler.core import CoreOptions, SchedulerCore
 from metroserve.scheduler.metrics import SchedulerCollector
@@ -139,7 +139,7 @@ async def run_scheduler(options: SchedulerOptions, stop: asyncio.Event | None = 
     core = SchedulerCore(options, kvstore)
     health_servicer = health.aio.HealthServicer()
     hub = WorkerHubService(core, health_servicer)
-    server = grpc.aio.server(options=SERVER_GRPC_OPTIONS, interceptors=server_interceptors(options.credentials))
+    server = grpc.aio.server(options=SCHEDULER_GRPC_OPTIONS, interceptors=server_interceptors(options.credentials))
     cluster_pb2_grpc.add_WorkerHubServicer_to_server(hub, server)
     cluster_pb2_grpc.add_GatewayHubServicer_to_server(GatewayHubService(core), server)
     cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(core), server)

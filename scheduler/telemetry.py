@@ -48,7 +48,7 @@ class RequestTelemetry:
         return inject_context(state.span)
 
     def ended(self, state: RequestState) -> None:
-        now = time.monotonic()
+        end = state.end_time if state.end_time is not None else time.monotonic()
         usage = state.usage()
         workers = list(dict.fromkeys(state.workers))
         reasons = [r or "abort" for r in state.finish_reasons]
@@ -57,7 +57,7 @@ class RequestTelemetry:
                 "gen_ai.usage.output_tokens": usage.completion_tokens, "metroserve.cached_tokens": usage.cached_tokens,
                 "metroserve.worker": ",".join(workers), "gen_ai.response.finish_reasons": reasons,
                 "metroserve.migrations": state.num_migrations})
-            state.span.end()
+            state.span.end(end_time=ns(state.arrival_wall_time + end - state.arrival_time))
         if not self.log_requests:
             return
 
@@ -69,6 +69,6 @@ class RequestTelemetry:
                 "workers": workers, "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
                 "finish_reasons": reasons, "queue_s": since_arrival(state.placed_time),
-                "e2e_s": since_arrival(now),
+                "e2e_s": since_arrival(end),
                 "migrations": state.num_migrations, "priority": state.priority}
         request_logger.info(json.dumps(line))

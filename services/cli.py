@@ -51,6 +51,9 @@ def _run_async(main, component: str) -> None:
 
 
 def _scheduler(args: argparse.Namespace) -> None:
+    from metroserve.rpc import SCHEDULER_GRPC_EXPERIMENTS
+
+    os.environ.setdefault("GRPC_EXPERIMENTS", SCHEDULER_GRPC_EXPERIMENTS)  # before grpc starts its core
     from metroserve.scheduler.server import SchedulerOptions, run_scheduler
     from metroserve.services.tracing import configure_tracing
 

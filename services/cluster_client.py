@@ -46,8 +46,11 @@ RECONNECT_DELAY_S = 0.5
 RETRY_AFTER_S = "1"
 # How long a completion may wait to ride with a submission while no request waits for a slot.
 # Meanwhile the scheduler counts the slots busy, which matters only if they would take a request:
-# then the queue fills, the scheduler says so, and completions go at once.
-COMPLETION_DELAY_S = 0.1
+# then the queue fills, the scheduler says so, and completions go at once. Long enough that a
+# gateway with a few submissions a second sends few completions alone (at 0.1 s, each of two
+# gateways sharing 20 requests a second sent about half of them alone, a scheduler wakeup each);
+# the Completion says how long it was held, so the scheduler's timings do not include the wait.
+COMPLETION_DELAY_S = 0.5
 
 
 @dataclass
@@ -91,7 +94,7 @@ class ClusterClient:
         self._submit: list[cluster_pb2.Submission] = []
         self._abort: list[generation_pb2.AbortRequest] = []
         self._resume: list[cluster_pb2.ResumeState] = []
-        self._completed: list[cluster_pb2.Completion] = []
+        self._completed: list[tuple[cluster_pb2.Completion, float]] = []  # with when each request ended
         self._completion_timer: asyncio.TimerHandle | None = None
         self._requests_waiting = False  # as the scheduler last said
         self._wakeup = asyncio.Event()
@@ -214,8 +217,11 @@ class ClusterClient:
             self._wakeup.clear()
             if not (self._submit or self._abort or self._resume or self._completed):
                 continue
+            now = asyncio.get_running_loop().time()
+            for completion, ended in self._completed:
+                completion.held_s = now - ended
             msg = cluster_pb2.GatewayMessage(submit=self._submit, abort=self._abort, resume=self._resume,
-                                             completed=self._completed)
+                                             completed=[completion for completion, _ in self._completed])
             self._submit, self._abort, self._resume, self._completed = [], [], [], []
             if self._completion_timer is not None:
                 self._completion_timer.cancel()
@@ -266,9 +272,10 @@ class ClusterClient:
     def _complete(self, owned: OwnedRequest) -> None:
         """Every sequence ended here: tell the scheduler, now if requests wait, else with the next
         submission or after COMPLETION_DELAY_S."""
-        self._completed.append(cluster_pb2.Completion(
+        self._completed.append((cluster_pb2.Completion(
             request_id=owned.request.request_id, finish_reasons=owned.finish_reasons,
-            num_tokens=[len(t) for t in owned.tokens], num_cached_tokens=owned.num_cached_tokens or 0))
+            num_tokens=[len(t) for t in owned.tokens], num_cached_tokens=owned.num_cached_tokens or 0),
+            asyncio.get_running_loop().time()))
         if self._requests_waiting:
             self._wakeup.set()
         elif self._completion_timer is None:

@@ -110,6 +110,7 @@ def test_a_completion_rides_with_the_next_submission_else_goes_after_a_delay_and
         msg, waited = await _next_message(outgoing)  # alone: after the delay
         assert [c.request_id for c in msg.completed] == ["next"] and not msg.submit
         assert waited >= COMPLETION_DELAY_S * 0.9
+        assert COMPLETION_DELAY_S * 0.9 <= msg.completed[0].held_s <= waited + 0.01  # so the scheduler can subtract it
         client._handle(cluster_pb2.GatewayControl(requests_waiting=True))
         third = await _admitted_as(client, "third")
         msg, _ = await _next_message(outgoing)

@@ -48,7 +48,13 @@ from opentelemetry.context import Context
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 
-from metroserve.rpc import GRPC_OPTIONS, SERVER_GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc, generation_pb2
+from metroserve.rpc import (
+    SERVER_GRPC_OPTIONS,
+    WORKER_TO_SCHEDULER_GRPC_OPTIONS,
+    cluster_pb2,
+    cluster_pb2_grpc,
+    generation_pb2,
+)
 from metroserve.rpc.auth import ClusterCredentials, add_server_port, open_channel, server_interceptors
 from metroserve.rpc.convert import limits_to_proto, logprobs_to_proto, params_from_proto
 from metroserve.services.metrics_http import start_metrics_server
@@ -342,7 +348,8 @@ class WorkerService:
 
     async def _session(self) -> None:
         """One connection to the scheduler, until the stream ends or the worker stops."""
-        async with open_channel(self.options.scheduler, self.options.credentials, GRPC_OPTIONS) as channel:
+        async with open_channel(self.options.scheduler, self.options.credentials,
+                                WORKER_TO_SCHEDULER_GRPC_OPTIONS) as channel:
             self._session_number += 1
             call = cluster_pb2_grpc.WorkerHubStub(channel).Connect(self._outgoing(self._session_number))
             reader = asyncio.ensure_future(self._read(call))

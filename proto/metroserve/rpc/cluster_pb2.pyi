@@ -220,16 +220,18 @@ class ResumeState(_message.Message):
     def __init__(self, placement_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[_generation_pb2.TokenIds, _Mapping]]] = ..., finish_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "finish_reasons", "num_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "finish_reasons", "num_tokens", "num_cached_tokens", "held_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     finish_reasons: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    held_s: float
+    def __init__(self, request_id: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
     __slots__ = ("register", "submit", "abort", "resume", "completed")
