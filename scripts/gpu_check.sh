@@ -14,7 +14,7 @@
 #
 # --smoke checks the script on any machine: tiny shapes, CPU tensors in Triton's interpreter.
 # It uses $PYTHON, else python3 when that has torch (a GPU image's own), else .venv/bin/python;
-# nothing is installed, so it runs on a machine with no package registry.
+# it installs nothing from a registry (only this checkout, editable, where it is not installed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +32,13 @@ if [[ -z "$py" ]]; then
   if python3 -c "import torch" 2>/dev/null; then py=python3; else py=.venv/bin/python; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The package's folders are mapped by pyproject.toml's package-dir, so a bare checkout does not import
+# as `metroserve.worker`: where it is not installed, install it editable with no dependencies (no
+# registry needed; a GPU image brings torch, triton and transformers, and its Python may be newer
+# than the 3.11 the project pins for its own venv).
+if ! "$py" -c "import metroserve.worker.config, metroserve.benchmarks" 2>/dev/null; then
+  "$py" -m pip install -q --no-deps --no-build-isolation --ignore-requires-python -e . 2>&1 | tail -n 3
+fi
 # Every model is a local folder; offline mode keeps a hub lookup from waiting on an unreachable network.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 start=$(date +%s)

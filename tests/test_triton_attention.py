@@ -145,8 +145,9 @@ def test_window_is_a_kernel_argument(split_kv):
     backend = TritonAttention(16, 4, 2, 32, torch.float32, split_kv=split_kv)
     layout = on_device(random_layout(rng, 32, 16, [1, 1, 1], [5, 100, 40]))
     cache = KVCache(1, 32, 16, 2, 32, torch.float32, DEVICE)
-    cache.k.normal_(generator=rng)
-    cache.v.normal_(generator=rng)
+    # Drawn on the CPU, where the generator lives, then copied: a CUDA pool takes no CPU generator.
+    cache.k.copy_(torch.randn(cache.k.shape, generator=rng))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=rng))
     q = torch.randn(3, 4, 32, generator=rng).to(DEVICE)
     k, v = (torch.randn(3, 2, 32, generator=rng).to(DEVICE) for _ in range(2))
     replaced = dataclasses.replace(backend.prepare(layout), sliding_window=20)
