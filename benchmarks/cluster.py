@@ -317,19 +317,33 @@ def client_main(plan: ClientPlan, conn: Connection) -> None:
 # -- the cluster: processes on loopback ------------------------------------------------------
 
 
-def free_port() -> int:
-    """A loopback port free now, for a process to bind soon. Picked below the kernel's ephemeral range,
-    from which it hands out the ports of `--port 0` listeners (the workers' token streams): a port
-    picked there could be taken by one of them before its owner binds it."""
+# Ports this process has handed out: a port is free only until its owner binds it, so two picks in a
+# row (a stack's REST, gRPC and scheduler ports) could otherwise return the same one.
+_handed_out: set[int] = set()
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive loopback ports, free now, for processes to bind soon, none of
+    them handed out before by this process. Picked below the kernel's ephemeral range, from which it
+    hands out the ports of `--port 0` listeners (the workers' token streams): a port picked there
+    could be taken by one of them before its owner binds it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     while True:
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+        base = random.randrange(max(1024, low - 12000), low - count + 1)
+        run = range(base, base + count)
+        if _handed_out.intersection(run) or not all(_bindable(port) for port in run):
+            continue
+        _handed_out.update(run)
+        return base
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,19 +26,6 @@ def cluster_metadata() -> tuple[tuple[str, str], ...]:
     from metroserve.rpc.auth import ENV_SECRET, SECRET_METADATA_KEY
 
     return ((SECRET_METADATA_KEY, os.environ[ENV_SECRET]),)
-
-
-def free_port_run(count: int) -> int:
-    """The first of `count` consecutive free ports (serve puts worker i's /metrics at base + 1 + i)."""
-    while True:
-        base = free_port()
-        try:
-            for port in range(base + 1, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
@@ -118,7 +104,7 @@ class ServeStack:
                  log_path: Path | None = None, env: dict | None = None):
         self.num_workers = workers
         self.port, self.grpc_port, self.scheduler_port = free_port(), free_port(), free_port()
-        self.metrics_port = free_port_run(1 + workers)  # the scheduler's; worker i's is this + 1 + i
+        self.metrics_port = free_port(1 + workers)  # the scheduler's; worker i's is this + 1 + i
         self.args = [sys.executable, "-m", "metroserve.services.cli", "serve", "--model", str(model),
                      "--workers", str(workers), "--port", str(self.port), "--grpc-port", str(self.grpc_port),
                      "--scheduler-port", str(self.scheduler_port), "--metrics-port", str(self.metrics_port),
