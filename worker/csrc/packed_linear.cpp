@@ -3,7 +3,7 @@
 // Decode steps multiply a few dozen rows by each weight. oneDNN's kernels are tuned for large
 // products; at these sizes its row blocking wastes work (43 rows cost as much as 64) and
 // each call carries setup. Here the weight is packed into panels of 2 vector widths of output
-// columns ([panels][K][panel width], each k's columns adjacent), the threads split the panels,
+// columns ([panels][K][panel width], each k's columns adjacent), the threads share the panels,
 // and each panel is swept by register tiles of up to kTileRows rows x one panel over the whole K:
 // two vector loads of the panel and one broadcast per row per k, nothing else in the inner loop.
 // A panel (K x 128 B with AVX-512) stays in L2 while every row tile of the step passes over it.
@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 
+#include "task_queue.h"
 #include "vec.h"
 
 namespace {
@@ -88,13 +89,15 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features) 
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  // Chunks of 2 panels (task_queue.h): a small projection has 18; the prefetch of the next panel
+  // crosses chunks, as the thread that owns them usually takes the next one itself.
+  run_chunks_shared(panels, 2, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
       const float* panel = wp + p * K * kPanel;
       for (int64_t m = 0; m < M; m += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m));
-        const float* next = m == 0 && p + 1 < p1 ? panel + K * kPanel : nullptr;
+        const float* next = m == 0 && p + 1 < panels ? panel + K * kPanel : nullptr;
         tile_up_to<kTileRows>(rows, xp + m * ldx, ldx, panel, K, yp + m * N + p * kPanel, N, cols, next);
       }
     }

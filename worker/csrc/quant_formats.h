@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "task_queue.h"
 #include "vec.h"
 
 namespace {
@@ -223,15 +224,14 @@ inline void store_columns(float* row, int64_t col, int64_t N, V v) {
 // tile(rows, strips, row, strip) over an [M, strips] output in tiles of up to tile_rows rows and
 // kGroup strips. The strips are split evenly between the threads (a decode step's small
 // projections have few: whole groups left one thread idle a tenth of the time), each thread's a
-// contiguous run so its weight stream stays sequential; a group's row tiles run one after another
-// while its strips are in cache.
+// contiguous run so its weight stream stays sequential, and a thread done with its run takes groups
+// left in the other's (task_queue.h); a group's row tiles run one after another while its strips
+// are in cache.
 template <class Fn>
 void sweep(int64_t M, int64_t strips, int tile_rows, Fn&& tile) {
-  at::parallel_for(0, strips, kGroup, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; s += kGroup) {
-      const int n = static_cast<int>(std::min<int64_t>(kGroup, s1 - s));
-      for (int64_t m = 0; m < M; m += tile_rows) tile(static_cast<int>(std::min<int64_t>(tile_rows, M - m)), n, m, s);
-    }
+  run_chunks_shared(strips, kGroup, [&](int64_t s, int64_t end) {
+    const int n = static_cast<int>(end - s);
+    for (int64_t m = 0; m < M; m += tile_rows) tile(static_cast<int>(std::min<int64_t>(tile_rows, M - m)), n, m, s);
   });
 }
 
