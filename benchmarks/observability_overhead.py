@@ -166,16 +166,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wait_healthy(f"http://127.0.0.1:{ports[mode]}/health", proc)
             # Warm-up: a CPU engine's first steps at new batch shapes are much slower.
             asyncio.run(run_served(f"http://127.0.0.1:{ports[mode]}/v1", "bench", prompts[: args.concurrency], 16,
-                                   args.concurrency))
+                                   args.concurrency, args.client))
         for round_index in range(args.rounds):
             for mode in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
                 url = f"http://127.0.0.1:{ports[mode]}/v1"
                 if mode == "on":
                     with scraper:
                         seconds, tokens = asyncio.run(run_served(url, "bench", prompts, args.max_tokens,
-                                                                 args.concurrency))
+                                                                 args.concurrency, args.client))
                 else:
-                    seconds, tokens = asyncio.run(run_served(url, "bench", prompts, args.max_tokens, args.concurrency))
+                    seconds, tokens = asyncio.run(run_served(url, "bench", prompts, args.max_tokens, args.concurrency,
+                                                         args.client))
                 runs.append({"round": round_index, "mode": mode, "seconds": seconds, "output_tokens": tokens,
                              "tokens_per_s": tokens / seconds})
                 print(f"round {round_index} {mode:3s} {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.1f} tok/s",

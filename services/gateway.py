@@ -17,6 +17,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from metroserve.common.sampling_params import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from metroserve.common.tokenizer import load_tokenizer
 from metroserve.rpc import GENERATION_SERVICE, SERVER_GRPC_OPTIONS, generation_pb2_grpc
 from metroserve.rpc.auth import ClusterCredentials
@@ -45,6 +46,7 @@ class GatewayOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST  # prompts x n
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # default: off, no CORS headers
     chat: ChatServing = field(default_factory=ChatServing)  # --chat-template, --tool-call-parser
     scheduler_wait_s: float = 30.0  # a request waits this long for a scheduler that does not answer
@@ -78,7 +80,7 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
 
     metrics = GatewayMetrics()
     rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes, metrics,
-                   options.cors, options.chat.tool_call_parser)
+                   options.cors, options.chat.tool_call_parser, options.max_sequences_per_request)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts upstream.
     runner = web.AppRunner(rest.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

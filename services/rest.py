@@ -19,11 +19,13 @@ header on every response to an allowed origin.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from importlib.metadata import version
 from typing import Any
 
@@ -31,6 +33,7 @@ import grpc
 from aiohttp import web
 from opentelemetry import trace
 
+from metroserve.common.sampling_params import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from metroserve.rpc import generation_pb2
 from metroserve.services.cluster_client import ClusterClient, UpstreamError
 from metroserve.services.cors import CorsPolicy
@@ -40,6 +43,7 @@ from metroserve.services.openai_api import (
     BadRequest,
     GenerationRequest,
     ResponseBuilder,
+    check_batch_size,
     error_body,
     parse_chat,
     parse_completion,
@@ -104,10 +108,31 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     return info
 
 
+# A body this large leaves what its parse freed (100,000 prompt strings: ~7 MiB) in glibc's heap,
+# kept for reuse but counted in the process's memory. Past this size the gateway hands freed heap
+# back once the request is answered (malloc_trim: about a millisecond, for rare requests only).
+TRIM_AFTER_BODY_BYTES = 1 << 20
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc only; elsewhere nothing is trimmed
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_heap() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class RestAPI:
     def __init__(self, client: ClusterClient, tokenizer, model_name: str, max_model_len: int,
                  api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics,
-                 cors: CorsPolicy | None = None, tool_call_parser: str | None = None):
+                 cors: CorsPolicy | None = None, tool_call_parser: str | None = None,
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST):
         self.client = client
         self.tool_call_parser = tool_call_parser
         self.metrics = metrics
@@ -117,13 +142,15 @@ class RestAPI:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_sequences_per_request = max_sequences_per_request
         self.cors = cors or CorsPolicy()
         self._version_body = {"version": version("metroserve")}
         self._tokenizer_info_body = tokenizer_info(tokenizer, max_model_len)  # fixed: built once
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes,
-                              middlewares=[self._preflight, self._count, self._errors_and_auth])
+                              middlewares=[self._release_heap_after_large_bodies, self._preflight, self._count,
+                                           self._errors_and_auth])
         # Headers go on in on_response_prepare, not in a middleware: a stream's are sent from
         # inside its handler, before any middleware sees the response.
         app.on_response_prepare.append(self._response_headers)
@@ -183,6 +210,14 @@ class RestAPI:
             self.metrics.record(route, status, time.perf_counter() - start)
 
     @web.middleware
+    async def _release_heap_after_large_bodies(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        finally:
+            if (request.content_length or 0) > TRIM_AFTER_BODY_BYTES:
+                release_free_heap()
+
+    @web.middleware
     async def _errors_and_auth(self, request: web.Request, handler):
         if (self.api_key and request.path not in _UNPROTECTED
                 and request.headers.get("Authorization", "") != f"Bearer {self.api_key}"):
@@ -196,18 +231,25 @@ class RestAPI:
         except UpstreamError as e:
             return upstream_error_response(e)
         except web.HTTPRequestEntityTooLarge:
-            return json_error(400, f"the request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+            return self._body_too_large()
         except web.HTTPException as e:  # 404 / 405 from routing: keep the status, OpenAI-style body
             return json_error(e.status, e.reason, code=e.reason.lower().replace(" ", "_"))
 
+    def _body_too_large(self) -> web.Response:
+        return json_error(413, f"the request body exceeds {self.max_body_bytes} bytes (--max-body-bytes)",
+                          code="body_too_large")
+
     async def _json_body(self, request: web.Request) -> dict:
-        raw = await request.read()
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
+        raw = await request.read()  # a chunked body is cut off at client_max_size
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        check_batch_size(body, self.max_sequences_per_request)
         validate_body(request.path, body)  # the route's published schema (services/openapi.py)
         return body
 

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from metroserve.common.sampling_params import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from metroserve.rpc.auth import ClusterCredentials, child_process_auth, generate_secret
 from metroserve.services.chat_serving import ChatServing
 from metroserve.services.cors import CorsPolicy
@@ -70,6 +71,8 @@ class ServeOptions:
     # Credentials the children share; none given: an ephemeral secret made at start.
     credentials: ClusterCredentials | None = None
     scheduler_wait_s: float = 30.0
+    max_body_bytes: int = 8 << 20  # the gateway's request limits
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 
 class Stack:
@@ -118,7 +121,9 @@ class Stack:
         o = self.options
         argv = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
                 "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name,
-                "--scheduler-wait", str(o.scheduler_wait_s), *o.cors.to_cli_args(), *o.chat.to_cli_args(),
+                "--scheduler-wait", str(o.scheduler_wait_s), "--max-body-bytes", str(o.max_body_bytes),
+                "--max-sequences-per-request", str(o.max_sequences_per_request),
+                *o.cors.to_cli_args(), *o.chat.to_cli_args(),
                 *self._tracing_argv()]
         if o.engine.model:
             argv += ["--model", o.engine.model]

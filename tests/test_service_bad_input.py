@@ -174,13 +174,42 @@ def test_stream_of_the_wrong_type_gets_400(stack, endpoint, value):
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("stream", [False, True])
-def test_oversized_body_gets_400(stack, endpoint, stream):
+def test_oversized_body_gets_413(stack, endpoint, stream):
     body = dict(BASE[endpoint])
     body["stream"] = stream
     body["padding"] = "a" * (MAX_BODY_BYTES + 1024)  # an unknown field: only the size is wrong
     status, ctype, reply = post(stack, endpoint, body)
-    assert_openai_400(status, ctype, reply)
+    assert_openai_error(status, ctype, reply, expected=413)
     assert reply["error"]["code"] == "body_too_large"
+
+
+def _admission_counts(stack: ServeStack) -> tuple[int, int]:
+    status = stack.cluster_status()
+    return status.num_admitted, status.num_rejected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prompts, n, param", [
+    (["hi"] * 100_000, 1, "prompt"),         # more prompts than --max-sequences-per-request (1024)
+    ([[1, 2, 3]] * 100_000, 1, "prompt"),   # token id prompts alike
+    (["hi"] * 100, 16, "n"),                 # few prompts, but prompts x n = 1600 sequences
+])
+def test_a_batch_past_the_sequence_bound_is_refused_whole_before_admission(stack, prompts, n, param, stream):
+    """One 400 naming the field, and the scheduler hears of none of the batch's prompts."""
+    before = _admission_counts(stack)
+    status, ctype, reply = post(stack, COMPLETIONS, {"prompt": prompts, "n": n, "max_tokens": 4, "stream": stream})
+    assert_openai_400(status, ctype, reply)
+    assert reply["error"]["param"] == param
+    assert "--max-sequences-per-request" in reply["error"]["message"]
+    assert _admission_counts(stack) == before
+
+
+def test_a_batch_at_the_sequence_bound_is_served(stack):
+    """The bound counts sequences: 64 prompts x n=16 = 1024 is allowed (and answered in full)."""
+    status, _, reply = post(stack, COMPLETIONS, {"prompt": ["Hi"] * 64, "n": 16, "max_tokens": 1, "temperature": 1.0,
+                                                 "seed": 1})
+    assert status == 200, reply
+    assert sorted(c["index"] for c in reply["choices"]) == list(range(64 * 16))
 
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])

@@ -16,6 +16,9 @@ from metroserve.common.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+# The gateway's default bound on one request's sequences (prompts x n), --max-sequences-per-request:
+# a batch is admitted or refused as a whole, so one the cluster could never hold is refused up front.
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
 # Token ids and counts travel as int32 on the wire, seeds as int64.
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
