@@ -29,7 +29,8 @@ from metroserve.benchmarks.serve_overhead import ROOT, wait_healthy
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--port", type=int, default=18600, help="first of three loopback ports for the stack")
+    parser.add_argument("--port", type=int, default=18600, 
+                        help="first of four loopback ports: REST, gRPC, scheduler, scheduler metrics")
     parser.add_argument("--settle-s", type=float, default=5.0, help="wait before the last memory reading")
     parser.add_argument("--json-out", type=Path, default=None)
 
