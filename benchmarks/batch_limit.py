@@ -35,14 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-out", type=Path, default=None)
 
 
-def _rss_mib(pid: int) -> float:
+def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def _child_pid(parent: int, component: str) -> int:
+def child_pid(parent: int, component: str) -> int:
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
@@ -87,24 +87,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", serve)
-        gateway = _child_pid(serve.pid, "gateway")
+        gateway = child_pid(serve.pid, "gateway")
         status, _ = _post(f"http://127.0.0.1:{port}/v1/completions",
                           json.dumps({"model": "bench", "prompt": "warm up", "max_tokens": 4}).encode())
         assert status == 200, status
         metrics_url = f"http://127.0.0.1:{port + 3}/metrics"
-        counters_before, rss_before = _counters(metrics_url), _rss_mib(gateway)
+        counters_before, rss_before = _counters(metrics_url), rss_mib(gateway)
         for index in range(args.rounds):
             start = time.perf_counter()
             status, reply = _post(f"http://127.0.0.1:{port}/v1/completions", body)
             seconds = time.perf_counter() - start
             rounds.append({"status": status, "seconds": seconds, "error": reply.get("error"),
-                           "gateway_rss_mib": _rss_mib(gateway)})
+                           "gateway_rss_mib": rss_mib(gateway)})
             param = reply.get("error", {}).get("param")
             print(f"round {index}: HTTP {status} in {seconds * 1000:.0f} ms (param {param!r}), "
                   f"gateway RSS {rounds[-1]['gateway_rss_mib']:.0f} MiB", flush=True)
         time.sleep(args.settle_s)
         report = {"num_prompts": args.num_prompts, "body_bytes": len(body), "rounds": rounds,
-                  "gateway_rss_mib": {"before": rss_before, "settled": _rss_mib(gateway)},
+                  "gateway_rss_mib": {"before": rss_before, "settled": rss_mib(gateway)},
                   "scheduler_counters": {"before": counters_before, "after": _counters(metrics_url)}}
     finally:
         serve.terminate()

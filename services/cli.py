@@ -68,13 +68,15 @@ def _gateway(args: argparse.Namespace) -> None:
     from metroserve.services.chat_serving import chat_serving_from_args
     from metroserve.services.cors import policy_from_args
     from metroserve.services.gateway import GatewayOptions, run_gateway
+    from metroserve.services.http_limits import http_limits_from_args
+    from metroserve.services.prompt_log import prompt_log_from_args
     from metroserve.services.tracing import configure_tracing
 
     configure_tracing("metroserve-gateway", args.otlp_endpoint)
     options = GatewayOptions(scheduler=args.scheduler, host=args.host, port=args.port, grpc_port=args.grpc_port,
                              model=args.model, served_model_name=args.served_model_name, api_key=args.api_key,
-                             max_body_bytes=args.max_body_bytes,
-                             max_sequences_per_request=args.max_sequences_per_request, cors=policy_from_args(args),
+                             limits=http_limits_from_args(args), prompt_log=prompt_log_from_args(args),
+                             cors=policy_from_args(args),
                              chat=chat_serving_from_args(args), scheduler_wait_s=args.scheduler_wait,
                              credentials=_cluster_credentials(args))
     _run_async(lambda stop: run_gateway(options, stop), "gateway")
@@ -152,6 +154,8 @@ def _serve(args: argparse.Namespace) -> None:
     from metroserve.rpc.auth import credentials_from_args
     from metroserve.services.chat_serving import chat_serving_from_args
     from metroserve.services.cors import policy_from_args
+    from metroserve.services.http_limits import http_limits_from_args
+    from metroserve.services.prompt_log import prompt_log_from_args
     from metroserve.services.serve import ServeOptions, Stack
     from metroserve.worker.config import EngineConfig
     from metroserve.worker.model_files import resolve_model_dir, served_model_name
@@ -167,8 +171,7 @@ def _serve(args: argparse.Namespace) -> None:
                                max_queue_len=args.max_queue_len, metrics_port=args.metrics_port,
                                otlp_endpoint=args.otlp_endpoint,
                                log_requests=not args.disable_log_requests,
-                               max_body_bytes=args.max_body_bytes,
-                               max_sequences_per_request=args.max_sequences_per_request,
+                               limits=http_limits_from_args(args), prompt_log=prompt_log_from_args(args),
                                credentials=credentials_from_args(args, generate=True)))
 
     def on_signal(signum, frame):
@@ -191,9 +194,10 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, scheduler: bool = False) -> None:
-    from metroserve.common.sampling_params import DEFAULT_MAX_SEQUENCES_PER_REQUEST, MAX_N
     from metroserve.services.chat_serving import add_chat_args
     from metroserve.services.cors import add_cors_args
+    from metroserve.services.http_limits import add_http_limit_args
+    from metroserve.services.prompt_log import add_prompt_log_args
 
     if gateway:
         p.add_argument("--host", default="127.0.0.1", help="address the REST and gRPC APIs listen on")
@@ -202,11 +206,8 @@ def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, sche
         p.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on REST and gRPC (default: $METROSERVE_API_KEY)")
         p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
-        p.add_argument("--max-body-bytes", type=int, default=8 << 20,
-                       help="larger request bodies get a 413, refused before they are read")
-        p.add_argument("--max-sequences-per-request", type=_at_least(MAX_N), default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-                       help="the most sequences (prompts x n) one request may ask for; more get a 400 naming 'prompt' "
-                            f"or 'n' before any prompt is read (at least {MAX_N}, the most n allows)")
+        add_http_limit_args(p)
+        add_prompt_log_args(p)
         add_cors_args(p)
         add_chat_args(p)
     if scheduler:
@@ -277,6 +278,8 @@ _BENCHMARKS = {
     "throughput": _Benchmark("throughput", "offline throughput vs transformers generate and generate_batch"),
     "batch-limit": _Benchmark("batch_limit", "a huge completions batch against a stack: refusal latency, admission "
                               "attempts, the gateway's memory"),
+    "slowloris": _Benchmark("slowloris", "slow clients (headers and bodies a byte at a time) beside normal streams: "
+                            "are they dropped by the timeouts, and the normal streams' ITL"),
     "overhead": _Benchmark("serve_overhead", "the service path (REST -> gateway -> scheduler -> worker) vs offline"),
     "speculative": _Benchmark("speculative", "speculative decoding (n-gram, draft model) vs plain decoding"),
     "serve": _Benchmark("serving", "load generator for any OpenAI-compatible server: TTFT, TPOT, ITL, throughput, "
@@ -289,15 +292,6 @@ _BENCHMARKS = {
                                      "component against workers and gateways; in-process placement latency",
                           entry="main"),
 }
-
-
-def _at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,7 +18,6 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from metroserve.common.sampling_params import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from metroserve.common.tokenizer import load_tokenizer
 from metroserve.rpc import GENERATION_SERVICE, SERVER_GRPC_OPTIONS, generation_pb2_grpc
 from metroserve.rpc.auth import ClusterCredentials
@@ -26,6 +26,8 @@ from metroserve.services.cluster_client import ClusterClient
 from metroserve.services.cors import CorsPolicy
 from metroserve.services.gateway_metrics import GatewayMetrics
 from metroserve.services.grpc_api import ApiKeyInterceptor, GatewayGeneration
+from metroserve.services.http_limits import HttpLimits
+from metroserve.services.prompt_log import PromptLog
 from metroserve.services.rest import RestAPI
 from metroserve.worker.model_files import resolve_model_dir, served_model_name
 
@@ -45,8 +47,8 @@ class GatewayOptions:
     model: str | None = None  # for the tokenizer and chat template; the same as the workers'
     served_model_name: str | None = None
     api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST  # prompts x n
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    prompt_log: PromptLog = field(default_factory=PromptLog)  # off: no prompt text in any log
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # default: off, no CORS headers
     chat: ChatServing = field(default_factory=ChatServing)  # --chat-template, --tool-call-parser
     scheduler_wait_s: float = 30.0  # a request waits this long for a scheduler that does not answer
@@ -69,7 +71,16 @@ async def _mirror_readiness(client: ClusterClient, servicer) -> None:
         await asyncio.sleep(READINESS_POLL_S)
 
 
+def _raise_open_file_limit() -> None:
+    """Every client connection holds a socket: take the hard limit, as servers do, so that a soft
+    limit of 1024 does not refuse connections past about a thousand."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None) -> None:
+    _raise_open_file_limit()
     api_key = options.api_key or os.environ.get("METROSERVE_API_KEY") or None
     model_dir = resolve_model_dir(options.model)
     tokenizer = load_tokenizer(model_dir)
@@ -79,10 +90,12 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     client.start()
 
     metrics = GatewayMetrics()
-    rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.max_body_bytes, metrics,
-                   options.cors, options.chat.tool_call_parser, options.max_sequences_per_request)
+    rest = RestAPI(client, tokenizer, model_name, _max_model_len(model_dir), api_key, options.limits, metrics,
+                   options.cors, options.chat.tool_call_parser, options.prompt_log)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts upstream.
-    runner = web.AppRunner(rest.app(), handler_cancellation=True, access_log=None)
+    # keepalive_timeout: aiohttp arms it at connect, so it also bounds the wait for headers.
+    runner = web.AppRunner(rest.app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=options.limits.timeout_keep_alive_s)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     await site.start()
@@ -92,7 +105,8 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     if options.grpc_port:
         server = grpc.aio.server(options=SERVER_GRPC_OPTIONS,
                                  interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
-        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name, metrics),
+        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name, metrics,
+                                                                               options.prompt_log),
                                                              server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

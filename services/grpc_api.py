@@ -19,6 +19,7 @@ from metroserve.rpc import PARAM_METADATA_KEY, generation_pb2, generation_pb2_gr
 from metroserve.rpc.convert import params_from_proto
 from metroserve.services.cluster_client import ClusterClient, UpstreamError
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
+from metroserve.services.prompt_log import PromptLog
 from metroserve.services.text_stream import stream_text
 from metroserve.services.tracing import tracer
 
@@ -51,8 +52,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, client: ClusterClient, tokenizer, model_name: str, metrics: GatewayMetrics):
+    def __init__(self, client: ClusterClient, tokenizer, model_name: str, metrics: GatewayMetrics,
+                 prompt_log: PromptLog | None = None):
         self.client = client
+        self.prompt_log = prompt_log or PromptLog()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
@@ -91,6 +94,7 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        self.prompt_log.log(request_id, [prompt], self.tokenizer)
         stream = stream_text(self.client, self.tokenizer, prompt, params, request_id, self.model_name,
                              request.priority, request.cache_salt or None)
         try:

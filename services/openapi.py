@@ -423,6 +423,7 @@ _ERRORS = {
     "400": "bad input: the body violates the schema or a value rule (param names the field)",
     "401": "the API key is missing or wrong (only with --api-key)",
     "404": "an unknown model (code model_not_found)",
+    "408": "the body did not arrive within --body-read-timeout seconds of the headers (code request_timeout)",
     "413": "the body is larger than --max-body-bytes (code body_too_large)",
     "429": "the scheduler's queue is full (Retry-After)",
     "502": "a worker failed the request",
@@ -496,7 +497,7 @@ def _generation(summary: str, request: str, response: str, chunk: str) -> dict[s
                                                  f"{chunk}s ending in data: [DONE]",
                                   "content": {"application/json": {"schema": _ref(response)},
                                               "text/event-stream": {"schema": _sse_event(chunk)}}},
-                          **_errors("400", "401", "404", "413", "429", "502", "503")}}
+                          **_errors("400", "401", "404", "408", "413", "429", "502", "503")}}
 
 
 def _post(summary: str, request: str, response: str, *errors: str) -> dict[str, Any]:
@@ -529,9 +530,9 @@ def openapi_document() -> dict[str, Any]:
                                                      "ChatCompletionRequest", "ChatCompletion",
                                                      "ChatCompletionChunk")},
         "/tokenize": {"post": _post("Tokenize a prompt or chat messages (vLLM)", "TokenizeRequest",
-                                    "TokenizeResponse", "400", "401", "404", "413")},
+                                    "TokenizeResponse", "400", "401", "404", "408", "413")},
         "/detokenize": {"post": _post("Token ids to text (vLLM)", "DetokenizeRequest", "DetokenizeResponse",
-                                      "400", "401", "413")},
+                                      "400", "401", "408", "413")},
         "/v1/models": _get("The served models", {**_json_ok("ModelList", "the served models"),
                                                 **_errors("401", "503")}),
         "/v1/models/{model_id}": {**_get("One served model", {**_json_ok("Model", "the model"),

@@ -33,11 +33,11 @@ import grpc
 from aiohttp import web
 from opentelemetry import trace
 
-from metroserve.common.sampling_params import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from metroserve.rpc import generation_pb2
 from metroserve.services.cluster_client import ClusterClient, UpstreamError
 from metroserve.services.cors import CorsPolicy
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
+from metroserve.services.http_limits import HttpLimits
 from metroserve.services.metrics_http import metrics_handler
 from metroserve.services.openai_api import (
     BadRequest,
@@ -50,6 +50,7 @@ from metroserve.services.openai_api import (
     parse_messages,
 )
 from metroserve.services.openapi import docs_handler, openapi_handler, validate_body
+from metroserve.services.prompt_log import PromptLog
 from metroserve.services.text_stream import StreamUpdate, TextDelta, Usage, stream_text
 from metroserve.services.tracing import tracer
 
@@ -130,9 +131,9 @@ def release_free_heap() -> None:
 
 class RestAPI:
     def __init__(self, client: ClusterClient, tokenizer, model_name: str, max_model_len: int,
-                 api_key: str | None, max_body_bytes: int, metrics: GatewayMetrics,
+                 api_key: str | None, limits: HttpLimits, metrics: GatewayMetrics,
                  cors: CorsPolicy | None = None, tool_call_parser: str | None = None,
-                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST):
+                 prompt_log: PromptLog | None = None):
         self.client = client
         self.tool_call_parser = tool_call_parser
         self.metrics = metrics
@@ -141,14 +142,14 @@ class RestAPI:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-        self.max_sequences_per_request = max_sequences_per_request
+        self.limits = limits
+        self.prompt_log = prompt_log or PromptLog()
         self.cors = cors or CorsPolicy()
         self._version_body = {"version": version("metroserve")}
         self._tokenizer_info_body = tokenizer_info(tokenizer, max_model_len)  # fixed: built once
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes,
+        app = web.Application(client_max_size=self.limits.max_body_bytes,
                               middlewares=[self._release_heap_after_large_bodies, self._preflight, self._count,
                                            self._errors_and_auth])
         # Headers go on in on_response_prepare, not in a middleware: a stream's are sent from
@@ -232,24 +233,43 @@ class RestAPI:
             return upstream_error_response(e)
         except web.HTTPRequestEntityTooLarge:
             return self._body_too_large()
+        except web.HTTPRequestTimeout:
+            return await self._body_timed_out(request)
         except web.HTTPException as e:  # 404 / 405 from routing: keep the status, OpenAI-style body
             return json_error(e.status, e.reason, code=e.reason.lower().replace(" ", "_"))
 
     def _body_too_large(self) -> web.Response:
-        return json_error(413, f"the request body exceeds {self.max_body_bytes} bytes (--max-body-bytes)",
+        return json_error(413, f"the request body exceeds {self.limits.max_body_bytes} bytes (--max-body-bytes)",
                           code="body_too_large")
 
+    async def _body_timed_out(self, request: web.Request) -> web.Response:
+        """The 408, sent whole, then the connection closed: aiohttp would otherwise linger reading
+        the rest of the body (up to 10 s), which a slow client keeps trickling."""
+        response = json_error(408, f"the request body did not arrive within {self.limits.body_read_timeout_s} s "
+                                   "(--body-read-timeout)", code="request_timeout")
+        response.force_close()
+        await response.prepare(request)
+        await response.write_eof()
+        if request.transport is not None:
+            request.transport.close()
+        return response
+
     async def _json_body(self, request: web.Request) -> dict:
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
-        raw = await request.read()  # a chunked body is cut off at client_max_size
+        limit = self.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        try:
+            async with asyncio.timeout(self.limits.body_read_timeout_s):
+                raw = await request.read()  # a chunked body is cut off at client_max_size
+        except TimeoutError:
+            raise web.HTTPRequestTimeout() from None
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
-        check_batch_size(body, self.max_sequences_per_request)
+        check_batch_size(body, self.limits.max_sequences_per_request)
         validate_body(request.path, body)  # the route's published schema (services/openapi.py)
         return body
 
@@ -279,6 +299,7 @@ class RestAPI:
 
     async def _generate_untraced(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         request_id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.prompt_log.log(request_id, req.prompts, self.tokenizer)
         n = req.params.n
         builder = ResponseBuilder(request_id, self.model_name, req.output, self.tokenizer, req.prompts, n,
                                   req.prompt_texts)

@@ -24,10 +24,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from metroserve.common.sampling_params import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from metroserve.rpc.auth import ClusterCredentials, child_process_auth, generate_secret
 from metroserve.services.chat_serving import ChatServing
 from metroserve.services.cors import CorsPolicy
+from metroserve.services.http_limits import HttpLimits
+from metroserve.services.prompt_log import PromptLog
 from metroserve.worker.config import EngineConfig
 
 logger = logging.getLogger("metroserve.serve")
@@ -71,8 +72,8 @@ class ServeOptions:
     # Credentials the children share; none given: an ephemeral secret made at start.
     credentials: ClusterCredentials | None = None
     scheduler_wait_s: float = 30.0
-    max_body_bytes: int = 8 << 20  # the gateway's request limits
-    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    limits: HttpLimits = field(default_factory=HttpLimits)  # the gateway's
+    prompt_log: PromptLog = field(default_factory=PromptLog)  # the gateway's
 
 
 class Stack:
@@ -121,15 +122,16 @@ class Stack:
         o = self.options
         argv = ["gateway", "--scheduler", f"127.0.0.1:{o.scheduler_port}", "--host", o.host, "--port", str(o.port),
                 "--grpc-port", str(o.grpc_port), "--served-model-name", o.served_model_name,
-                "--scheduler-wait", str(o.scheduler_wait_s), "--max-body-bytes", str(o.max_body_bytes),
-                "--max-sequences-per-request", str(o.max_sequences_per_request),
+                "--scheduler-wait", str(o.scheduler_wait_s), *o.limits.to_cli_args(), *o.prompt_log.to_cli_args(),
                 *o.cors.to_cli_args(), *o.chat.to_cli_args(),
                 *self._tracing_argv()]
         if o.engine.model:
             argv += ["--model", o.engine.model]
-        if o.api_key:
-            argv += ["--api-key", o.api_key]
         return argv
+
+    def _gateway_env(self) -> dict | None:
+        """The API key goes by environment, never on a command line (which any local user can read)."""
+        return {**os.environ, "METROSERVE_API_KEY": self.options.api_key} if self.options.api_key else None
 
     def metrics_urls(self) -> list[str]:
         o = self.options
@@ -152,7 +154,7 @@ class Stack:
         for i in range(o.workers):
             worker_id = f"worker-{i}"
             self.workers[worker_id] = self._spawn(worker_id, self._worker_argv(worker_id), self._worker_env(i))
-        self.gateway = self._spawn("gateway", self._gateway_argv())
+        self.gateway = self._spawn("gateway", self._gateway_argv(), self._gateway_env())
 
     def wait_ready(self, timeout_s: float = 600.0) -> bool:
         """Poll the gateway's /health until every part is up (a worker loading the model takes a while)."""

@@ -43,9 +43,10 @@ def tokenizer(smollm2_dir):
 
 def _rest_api(tokenizer, api_key: str | None = None):
     from metroserve.services.gateway_metrics import GatewayMetrics
+    from metroserve.services.http_limits import HttpLimits
     from metroserve.services.rest import RestAPI
 
-    return RestAPI(None, tokenizer, "m", 8192, api_key, 1 << 20, GatewayMetrics())  # type: ignore[arg-type]
+    return RestAPI(None, tokenizer, "m", 8192, api_key, HttpLimits(max_body_bytes=1 << 20), GatewayMetrics())  # type: ignore[arg-type]
 
 
 def _app_routes(app) -> set[tuple[str, str]]:

@@ -9,132 +9,42 @@ tokenizer; the outage: a scheduler and a gateway, no worker.
 
 from __future__ import annotations
 
-import http.client
-import json
-import os
-import subprocess
-import sys
+import asyncio
+import resource
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import openai
 import pytest
 
-from metroserve.rpc import generation_pb2, generation_pb2_grpc
-from tests.stack import ROOT, free_port, scrape_metrics, wait_for
+from tests.mock_cluster import MODEL, MockCluster, start_mock_cluster, stop_mock_cluster
+from tests.stack import wait_for
 
 pytestmark = pytest.mark.service
 
-MODEL = "metro/overload"
-VOCAB = 512  # the tiny model's vocabulary
-
-
-@dataclass
-class Stack:
-    port: int
-    grpc_port: int
-    metrics_port: int
-    procs: dict[str, subprocess.Popen]
-    log_dir: Path
-
-    def post(self, body: dict) -> tuple[int, http.client.HTTPMessage, dict]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-            reply = conn.getresponse()
-            return reply.status, reply.headers, json.loads(reply.read())
-        finally:
-            conn.close()
-
-    def open_stream(self, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """A streaming completion left open, its headers read: it holds its slot or queue place until
-        the caller reads it to its end or closes the connection (which aborts it)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
-                     body=json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True,
-                                      "ignore_eos": True}))
-        reply = conn.getresponse()
-        assert reply.status == 200, reply.read()
-        return conn, reply
-
-    def grpc_generate_error(self) -> grpc.RpcError:
-        request = generation_pb2.GenerateRequest(model=MODEL, text="hello",
-                                                 params=generation_pb2.SamplingParams(max_tokens=4))
-        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel, pytest.raises(grpc.RpcError) as err:
-            list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
-        return err.value
-
-    def scheduler_gauges(self) -> tuple[float, float]:
-        """(queue depth, active requests) from the scheduler's /metrics."""
-        samples = scrape_metrics(f"http://127.0.0.1:{self.metrics_port}/metrics")
-        depth = sum(v for (name, _), v in samples.items() if name.endswith("scheduler_queue_depth"))
-        active = sum(v for (name, _), v in samples.items() if name.endswith("scheduler_active_requests"))
-        return depth, active
-
-
-def _spawn(log_dir: Path, name: str, argv: list[str]) -> subprocess.Popen:
-    from metroserve.services.serve import die_with_parent
-
-    with open(log_dir / f"{name}.log", "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "metroserve.services.cli", *argv], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, "OTEL_SDK_DISABLED": "true"},
-                                preexec_fn=die_with_parent)
-
-
-def _start(tiny_model_dir: Path, log_dir: Path, with_worker: bool) -> Stack:
-    scheduler_port = free_port()
-    scheduler = f"127.0.0.1:{scheduler_port}"
-    stack = Stack(free_port(), free_port(), free_port(), {}, log_dir)
-    stack.procs["scheduler"] = _spawn(log_dir, "scheduler", [
-        "scheduler", "--port", str(scheduler_port), "--max-queue-len", "1", "--metrics-port", str(stack.metrics_port)])
-    if with_worker:
-        stack.procs["worker"] = _spawn(log_dir, "worker", [
-            "worker", "--engine", "mock", "--scheduler", scheduler, "--served-model-name", MODEL,
-            "--mock-vocab-size", str(VOCAB), "--max-num-seqs", "1", "--mock-step-fixed-ms", "20"])
-    stack.procs["gateway"] = _spawn(log_dir, "gateway", [
-        "gateway", "--scheduler", scheduler, "--port", str(stack.port), "--grpc-port", str(stack.grpc_port),
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL])
-
-    def up() -> bool:
-        exited = [name for name, p in stack.procs.items() if p.poll() is not None]
-        assert not exited, f"{exited} exited; logs in {log_dir}"
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=2)
-            conn.request("GET", "/health")
-            status = conn.getresponse().status
-            conn.close()
-        except OSError:
-            return False
-        return status == 200 if with_worker else status in (200, 503)
-
-    wait_for(up, 120, "the gateway's /health")
-    return stack
-
-
-def _stop(stack: Stack) -> None:
-    from metroserve.services.serve import stop_in_order
-
-    stop_in_order([[stack.procs["gateway"]], [stack.procs.get("worker")], [stack.procs["scheduler"]]], timeout_s=30)
+QUEUE_OF_ONE = ("--max-queue-len", "1")
+WIDE_SEQS, WIDE_QUEUE = 64, 128  # the 600-stream test's worker slots and queue bound
 
 
 @pytest.fixture(scope="module")
-def full(tiny_model_dir, tmp_path_factory) -> Iterator[Stack]:
-    stack = _start(tiny_model_dir, tmp_path_factory.mktemp("overload"), with_worker=True)
+def full(tiny_model_dir, tmp_path_factory) -> Iterator[MockCluster]:
+    stack = start_mock_cluster(tiny_model_dir, tmp_path_factory.mktemp("overload"), scheduler_args=QUEUE_OF_ONE,
+                               worker_args=("--max-num-seqs", "1", "--mock-step-fixed-ms", "20"))
     try:
         yield stack
     finally:
-        _stop(stack)
+        stop_mock_cluster(stack)
 
 
 @pytest.fixture(scope="module")
-def no_worker(tiny_model_dir, tmp_path_factory) -> Iterator[Stack]:
-    stack = _start(tiny_model_dir, tmp_path_factory.mktemp("outage"), with_worker=False)
+def no_worker(tiny_model_dir, tmp_path_factory) -> Iterator[MockCluster]:
+    stack = start_mock_cluster(tiny_model_dir, tmp_path_factory.mktemp("outage"), with_worker=False,
+                               scheduler_args=QUEUE_OF_ONE)
     try:
         yield stack
     finally:
-        _stop(stack)
+        stop_mock_cluster(stack)
 
 
 def _assert_openai_error(status: int, headers, body: dict, expected: int) -> None:
@@ -175,3 +85,52 @@ def test_no_live_worker_gets_503_on_rest_and_unavailable_on_grpc(no_worker):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
     assert err.value.status_code == 503
     assert no_worker.grpc_generate_error().code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def wide(tiny_model_dir, tmp_path_factory) -> Iterator[MockCluster]:
+    stack = start_mock_cluster(tiny_model_dir, tmp_path_factory.mktemp("wide"),
+                               scheduler_args=("--max-queue-len", str(WIDE_QUEUE)),
+                               worker_args=("--max-num-seqs", str(WIDE_SEQS), "--mock-step-fixed-ms", "20"))
+    try:
+        yield stack
+    finally:
+        stop_mock_cluster(stack)
+
+
+async def _stream_status(session, url: str, max_tokens: int) -> tuple[int, str | None, int]:
+    """(status, Retry-After, token chunks) of one streaming completion read to its end."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            error = await resp.json()
+            assert set(error) == {"error"}, error
+            return resp.status, resp.headers.get("Retry-After"), 0
+        chunks, done = 0, False
+        async for line in resp.content:
+            chunks += line.startswith(b"data: {")
+            done = done or line.startswith(b"data: [DONE]")
+        assert done
+        return resp.status, None, chunks
+
+
+def test_600_concurrent_streams_get_only_200s_and_429s_with_retry_after(wide):
+    import aiohttp
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+
+    async def run() -> list[tuple[int, str | None, int]]:
+        connector = aiohttp.TCPConnector(limit=0)  # every stream at once, one connection each
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            url = f"http://127.0.0.1:{wide.port}/v1/completions"
+            return await asyncio.gather(*(_stream_status(session, url, 16) for _ in range(600)))
+
+    results = asyncio.run(run())
+    statuses = Counter(status for status, _, _ in results)
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses[200] >= WIDE_SEQS + WIDE_QUEUE  # the slots and the queue were filled
+    assert statuses[429] > 0, statuses  # and the rest refused, not queued past the bound
+    assert all(int(retry) >= 1 for status, retry, _ in results if status == 429)
+    assert all(chunks == 16 for status, _, chunks in results if status == 200)
+    wait_for(lambda: wide.scheduler_gauges() == (0, 0), 30, "the queue to empty and every request to end")
