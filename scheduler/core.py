@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 # meanwhile, so a follow-up sharing that prompt still finds them).
 REPORTS_PER_S = 4
 
+# A request that was running on this many workers when each was lost fails instead of moving again.
+MAX_WORKERS_LOST = 3
+
 # What a sequence the caller ended itself may finish as (SequenceEnd.finish_reason; empty: "stop").
 CALLER_FINISH_REASONS = ("stop", "length", "abort")
 
@@ -85,6 +88,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_ARGUMENT = "invalid_argument"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"  # the cluster failed it (e.g. every worker it ran on died)
 
 
 class RequestError(Exception):
@@ -529,8 +533,18 @@ class SchedulerCore:
         moved = list(link.placements.values())
         logger.warning("worker %s lost: %d placements to move, %d index blocks purged", link.worker_id,
                        len(moved), purged)
+        for state in {p.request.request_id: p.request for p in moved}.values():
+            state.num_workers_lost += 1
         for placement in moved:
             link.release(placement, abort=False)
+            state = placement.request
+            if state.num_workers_lost >= MAX_WORKERS_LOST and not state.done:
+                # Likely what kills them (an engine bug it triggers): failed, so that it cannot
+                # take down every worker in turn.
+                logger.warning("request %s failed: %d workers were lost while running it", state.request_id,
+                               state.num_workers_lost)
+                self._fail(state, RequestError(ErrorCode.INTERNAL, f"{state.num_workers_lost} workers failed "
+                                                                   "while running this request"))
             self._migrate(placement)
         self._workers_changed()
         self.dispatch()

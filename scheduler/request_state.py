@@ -77,6 +77,7 @@ class RequestState:
     end_time: float | None = None  # when its gateway saw it end, if it says; else when the scheduler did
     workers: list[str] = field(default_factory=list)
     num_migrations: int = 0
+    num_workers_lost: int = 0  # workers that were lost while running one of its placements
     span: Any = None
 
     def __post_init__(self) -> None:

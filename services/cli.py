@@ -169,6 +169,7 @@ def _serve(args: argparse.Namespace) -> None:
                                kvstore=args.kvstore, api_key=args.api_key, cors=policy_from_args(args),
                                chat=chat_serving_from_args(args),
                                max_queue_len=args.max_queue_len, metrics_port=args.metrics_port,
+                               heartbeat_timeout_s=args.heartbeat_timeout,
                                otlp_endpoint=args.otlp_endpoint,
                                log_requests=not args.disable_log_requests,
                                limits=http_limits_from_args(args), prompt_log=prompt_log_from_args(args),
@@ -215,6 +216,11 @@ def _add_service_args(p: argparse.ArgumentParser, *, gateway: bool = False, sche
                        help="prefix index and request state: 'memory' (embedded) or redis://host:port/db")
         p.add_argument("--max-queue-len", type=int, default=1024,
                        help="requests that may wait for a worker slot; beyond it: 429 with Retry-After")
+
+
+def _add_heartbeat_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds of silence after which the scheduler drops a worker and moves its work")
 
 
 def _add_observability_args(p: argparse.ArgumentParser, *, metrics_port: int | None = None,
@@ -278,6 +284,8 @@ _BENCHMARKS = {
     "throughput": _Benchmark("throughput", "offline throughput vs transformers generate and generate_batch"),
     "batch-limit": _Benchmark("batch_limit", "a huge completions batch against a stack: refusal latency, admission "
                               "attempts, the gateway's memory"),
+    "chaos": _Benchmark("chaos", "one fault at a time (SIGKILL/SIGSTOP a worker, SIGKILL the scheduler, a gateway, "
+                        "redis) against serve --workers 2 with 16 greedy streams: identical text, blocks freed"),
     "slowloris": _Benchmark("slowloris", "slow clients (headers and bodies a byte at a time) beside normal streams: "
                             "are they dropped by the timeouts, and the normal streams' ITL"),
     "overhead": _Benchmark("serve_overhead", "the service path (REST -> gateway -> scheduler -> worker) vs offline"),
@@ -318,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--workers", type=int, default=1, help="worker processes, each with its own KV pool")
     serve.add_argument("--scheduler-port", type=int, default=50051, help="the scheduler's gRPC port (loopback)")
+    _add_heartbeat_arg(serve)
     _add_service_args(serve, gateway=True, scheduler=True)
     _add_observability_args(serve, metrics_port=9090, log_requests=True,
                             metrics_help="Prometheus /metrics of the scheduler on this loopback port, of worker i on "
@@ -330,8 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sched.add_argument("--host", default="127.0.0.1")
     sched.add_argument("--port", type=int, default=50051, help="gRPC port for gateways and workers")
-    sched.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                       help="seconds of silence after which a worker is dropped and its work moved")
+    _add_heartbeat_arg(sched)
     _add_service_args(sched, scheduler=True)
     add_cluster_auth_args(sched)
     _add_observability_args(sched, metrics_port=0, log_requests=True,

@@ -19,13 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from metroserve.common.tokenizer import load_tokenizer
-from metroserve.rpc import GENERATION_SERVICE, SERVER_GRPC_OPTIONS, generation_pb2_grpc
+from metroserve.rpc import GENERATION_SERVICE, SERVER_GRPC_OPTIONS
 from metroserve.rpc.auth import ClusterCredentials
 from metroserve.services.chat_serving import ChatServing
 from metroserve.services.cluster_client import ClusterClient
 from metroserve.services.cors import CorsPolicy
 from metroserve.services.gateway_metrics import GatewayMetrics
-from metroserve.services.grpc_api import ApiKeyInterceptor, GatewayGeneration
+from metroserve.services.grpc_api import ApiKeyInterceptor, GatewayGeneration, add_generation_servicer
 from metroserve.services.http_limits import HttpLimits
 from metroserve.services.prompt_log import PromptLog
 from metroserve.services.rest import RestAPI
@@ -105,9 +105,7 @@ async def run_gateway(options: GatewayOptions, stop: asyncio.Event | None = None
     if options.grpc_port:
         server = grpc.aio.server(options=SERVER_GRPC_OPTIONS,
                                  interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
-        generation_pb2_grpc.add_GenerationServicer_to_server(GatewayGeneration(client, tokenizer, model_name, metrics,
-                                                                               options.prompt_log),
-                                                             server)
+        add_generation_servicer(GatewayGeneration(client, tokenizer, model_name, metrics, options.prompt_log), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(REFLECTED_SERVICES, server)

@@ -2,7 +2,9 @@
 
 Same path as REST: tokenize here, submit token ids to the cluster, detokenize the workers' tokens
 and apply stop strings (services/text_stream.py). A cancelled call aborts the request upstream.
-An unknown model is NOT_FOUND, as REST's 404.
+An unknown model is NOT_FOUND, as REST's 404. Bytes that do not parse as the method's request
+message are INVALID_ARGUMENT (add_generation_servicer): grpc's own answer would be UNKNOWN, its
+"server error".
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from metroserve.rpc import PARAM_METADATA_KEY, generation_pb2, generation_pb2_grpc
+from metroserve.rpc import GENERATION_SERVICE, PARAM_METADATA_KEY, generation_pb2, generation_pb2_grpc
 from metroserve.rpc.convert import params_from_proto
 from metroserve.services.cluster_client import ClusterClient, UpstreamError
 from metroserve.services.gateway_metrics import CLIENT_CLOSED, GatewayMetrics
@@ -82,6 +87,8 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
             self.metrics.record(GENERATE_ROUTE, status, time.perf_counter() - start)
 
     async def _generate(self, request, context):
+        if request is None:
+            await _malformed(context, "GenerateRequest")
         if request.model and request.model != self.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model {request.model!r} does not exist; this server serves {self.model_name!r}")
@@ -125,12 +132,48 @@ class GatewayGeneration(generation_pb2_grpc.GenerationServicer):
             await stream.aclose()
 
     async def Abort(self, request, context):
+        if request is None:
+            await _malformed(context, "AbortRequest")
         if request.ended:  # how sequences ended is the gateway's report to the scheduler, not a client's
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ended: not accepted from clients")
         return generation_pb2.AbortResponse(found=await self.client.abort(request.request_id))
 
     async def ListModels(self, request, context):
+        if request is None:
+            await _malformed(context, "ListModelsRequest")
         try:
             return generation_pb2.ListModelsResponse(models=await self.client.list_models())
         except UpstreamError as e:
             await context.abort(e.code, e.message)
+
+
+async def _malformed(context, message: str) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request bytes are not a {message} message")
+
+
+def _tolerant(message_cls) -> Callable[[bytes], Any]:
+    """A request deserializer that yields None for bytes that do not parse; the handler refuses it."""
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError:
+            return None
+    return parse
+
+
+def add_generation_servicer(servicer: GatewayGeneration, server) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server, with tolerant request deserializers."""
+    pb = generation_pb2
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=_tolerant(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_tolerant(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
+    server.add_registered_method_handlers(GENERATION_SERVICE, handlers)

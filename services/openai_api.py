@@ -394,9 +394,19 @@ def usage_body(usage: Usage) -> dict:
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
+# What a token the sampler could not pick (masked by a grammar, allowed_token_ids or bad_words)
+# shows as: JSON has no -Infinity, and vLLM writes -9999.0.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
 @dataclass
 class LogprobsRenderer:
-    """TokenLogprobs entries (chosen token first, then alternatives) -> OpenAI's logprobs shapes."""
+    """TokenLogprobs entries (chosen token first, then alternatives) -> OpenAI's logprobs shapes,
+    every logprob at least MIN_LOGPROB."""
 
     tokenizer: object
     top_n: int
@@ -414,10 +424,10 @@ class LogprobsRenderer:
     def chat(self, entries: list[generation_pb2.TokenLogprobs]) -> dict:
         content = []
         for e in entries:
-            tops = [{"token": (text := self.text(t)), "logprob": lp, "bytes": list(text.encode())}
+            tops = [{"token": (text := self.text(t)), "logprob": _finite(lp), "bytes": list(text.encode())}
                     for t, lp in self._top(e, include_chosen=False)]
             chosen = self.text(e.token_ids[0])
-            content.append({"token": chosen, "logprob": e.logprobs[0], "bytes": list(chosen.encode()),
+            content.append({"token": chosen, "logprob": _finite(e.logprobs[0]), "bytes": list(chosen.encode()),
                             "top_logprobs": tops})
         return {"content": content}
 
@@ -428,16 +438,16 @@ class LogprobsRenderer:
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        body: dict = {"tokens": tokens, "token_logprobs": [e.logprobs[0] for e in entries],
-                      "top_logprobs": [{self.text(t): lp for t, lp in self._top(e, include_chosen=True)}
+        body: dict = {"tokens": tokens, "token_logprobs": [_finite(e.logprobs[0]) for e in entries],
+                      "top_logprobs": [{self.text(t): _finite(lp) for t, lp in self._top(e, include_chosen=True)}
                                        for e in entries],
                       "text_offset": offsets}
         return body
 
     def prompt_logprobs(self, entries: list[generation_pb2.TokenLogprobs]) -> list:
         """vLLM's prompt_logprobs: per prompt token {token id: {logprob, decoded_token}}, the first null."""
-        return [None] + [{str(t): {"logprob": lp, "decoded_token": self.text(t)} for t, lp in zip(e.token_ids,
-                                                                                                   e.logprobs)}
+        return [None] + [{str(t): {"logprob": _finite(lp), "decoded_token": self.text(t)}
+                          for t, lp in zip(e.token_ids, e.logprobs)}
                          for e in entries]
 
 

@@ -66,6 +66,7 @@ class ServeOptions:
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # the gateway's
     chat: ChatServing = field(default_factory=ChatServing)  # the gateway's chat template and tool-call parser
     max_queue_len: int = 1024
+    heartbeat_timeout_s: float = 30.0  # the scheduler's
     metrics_port: int = 9090  # the scheduler's; worker i's is this + 1 + i; 0: none
     otlp_endpoint: str | None = None
     log_requests: bool = True
@@ -147,6 +148,7 @@ class Stack:
         o = self.options
         scheduler = ["scheduler", "--host", "127.0.0.1", "--port", str(o.scheduler_port), "--kvstore", o.kvstore,
                      "--max-queue-len", str(o.max_queue_len), "--metrics-port", str(o.metrics_port),
+                     "--heartbeat-timeout", str(o.heartbeat_timeout_s),
                      *self._tracing_argv()]
         if not o.log_requests:
             scheduler.append("--disable-log-requests")

@@ -146,3 +146,44 @@ def test_sampler_penalties_and_filters():
     # top-p is measured within the top-k set (renormalized), as in HF and vLLM.
     probs = torch.tensor([[0.4, 0.3, 0.12, 0.1, 0.08] + [0.0] * 5]).clamp_min(1e-12).log()
     assert draws(temperature=1.0, top_k=3, top_p=0.85) == {0, 1}
+
+
+def test_a_temperature_below_sampling_eps_is_greedy(llm, prompts):
+    """Logits divided by 1e-300 overflow to infinities whose softmax is NaN: such a row picked token 0,
+    and under a grammar a token the grammar forbids, which stopped the engine (found by fuzzing)."""
+    from metroserve.common.sampling_params import SAMPLING_EPS
+    from metroserve.common.structured_outputs import StructuredOutputsParams
+
+    def tokens(temperature: float) -> list[list[int]]:
+        params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in gen(llm, prompts, params)]
+
+    greedy = tokens(0.0)
+    for temperature in (5e-324, 1e-300, SAMPLING_EPS / 2):
+        assert SamplingParams(temperature=temperature).greedy
+        assert tokens(temperature) == greedy
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    out = llm.generate(prompts, SamplingParams(temperature=1e-300, max_tokens=8, structured_outputs=choice),
+                       use_tqdm=False)
+    assert all(o.outputs[0].text in ("yes", "no") for o in out)
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+    assert_all_blocks_free(llm)
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(llm, prompts):
+    """5e-324 is 0 in float32: every token was dropped, the row became NaN and picked token 0
+    (under a grammar, a forbidden one: found by fuzzing). The top token always stays."""
+    probs = Sampler.probs(torch.tensor([[1.0, 3.0, 2.0]]), [SamplingParams(top_p=5e-324)])
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+    greedy = [o.outputs[0].token_ids for o in gen(llm, prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                                               ignore_eos=True))]
+    sampled = gen(llm, prompts, SamplingParams(temperature=1.0, top_p=5e-324, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in sampled] == greedy
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e300])
+def test_an_extreme_repetition_penalty_gives_no_nan(penalty):
+    """Either extreme rounded to 0 or inf in float32 made NaN logits (found by fuzzing)."""
+    logits = torch.tensor([[2.0, 0.0, -1.0, float("-inf")]])
+    out = Sampler([3], torch.device("cpu")).process_logits(logits, [_seq([0, 1, 2, 3], 4, repetition_penalty=penalty)])
+    assert not out.isnan().any() and out[0, 3] == float("-inf"), out

@@ -509,6 +509,27 @@ def test_a_placement_lost_before_any_output_moves_whole():
     assert list(state.placements) == [moved.placement_id]
 
 
+def test_a_request_whose_workers_keep_dying_under_it_fails_instead_of_moving_on():
+    """An engine bug one request triggers would otherwise crash every worker in turn (the REST
+    fuzzer found one: a worker crash-looped on a request that moved to it after each restart)."""
+    from metroserve.scheduler.core import MAX_WORKERS_LOST
+
+    core = make_core()
+    gw = add_gateway(core)
+    worker = add_worker(core, "w0")
+    admit(core, gw, gen([1, 2, 3], request_id="r", n=2))
+    for life in range(1, MAX_WORKERS_LOST + 1):
+        assert assigned(worker)
+        core.worker_lost(worker)
+        worker = add_worker(core, f"w{life}")  # restarted
+        if life < MAX_WORKERS_LOST:
+            (query,) = resume_queries(gw)
+            answer(core, gw, query.placement_id, [[], []])
+    status = statuses(gw)["r"]
+    assert status.code == "INTERNAL" and "workers failed" in status.message
+    assert not core.requests and not core.queue and not core.resuming and assigned(worker) == []
+
+
 def test_a_sequence_its_gateway_saw_finish_is_not_placed_again():
     core = make_core()
     gw = add_gateway(core)

@@ -23,6 +23,11 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: sampled token and top-N alternatives
 
 
+# Beyond these a repetition penalty is as strong as it gets; in float32 a 5e-324 is 0 (logits / 0:
+# infinities, -inf * 0: NaN) and a 1e300 is inf (0 * inf: NaN), and a NaN row samples garbage.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The generator seed of sample `index` of a request: sample 0 uses the seed as given; forks get
     well-mixed seeds, so (seed s, sample 1) does not replay (seed s + 1, sample 0)."""
@@ -119,7 +124,8 @@ class Sampler:
                 # HF / vLLM semantics: any token seen in prompt or output is pushed towards zero.
                 seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
                 seen[torch.tensor(s.token_ids, device=logits.device)] = True
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                penalty = min(max(p.repetition_penalty, REPETITION_PENALTY_RANGE[0]), REPETITION_PENALTY_RANGE[1])
+                penalized = torch.where(row > 0, row / penalty, row * penalty)
                 row.copy_(torch.where(seen, penalized, row))
             if p.presence_penalty or p.frequency_penalty:
                 out = s.output_token_ids
@@ -151,6 +157,7 @@ class Sampler:
             sorted_probs = sorted_logits.softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop = mass_before >= torch.tensor(top_p, device=device, dtype=logits.dtype)[:, None]
+            drop[:, 0] = False  # the most likely token always stays: a top_p that rounds to 0 would drop it
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)

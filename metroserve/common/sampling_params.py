@@ -16,6 +16,7 @@ from metroserve.common.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 # The gateway's default bound on one request's sequences (prompts x n), --max-sequences-per-request:
 # a batch is admitted or refused as a whole, so one the cluster could never hold is refused up front.
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
@@ -78,7 +79,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below SAMPLING_EPS are greedy, as in vLLM: dividing logits by a tiny one
+        overflows them to infinities, and their softmax is NaN (1e-300 picked token 0)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def needs_penalties(self) -> bool:
