@@ -94,13 +94,47 @@ async def _stream(session: Any, url: str, prompt: list[int], max_tokens: int, re
         result.error = f"{type(e).__name__}: {e}"
 
 
+def cluster_idle(scheduler_port: int, secret_file: Path, num_workers: int) -> bool:
+    """The scheduler's GetStatus: nothing queued or running, num_workers workers, all blocks free."""
+    import grpc
+
+    from metroserve.rpc import cluster_pb2, cluster_pb2_grpc
+    from metroserve.rpc.auth import SECRET_METADATA_KEY
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            s = cluster_pb2_grpc.ClusterStub(channel).GetStatus(
+                cluster_pb2.ClusterStatusRequest(), timeout=5,
+                metadata=((SECRET_METADATA_KEY, secret_file.read_text()),))
+    except grpc.RpcError:
+        return False
+    return (s.queue_depth == 0 and s.num_active_requests == 0 and len(s.workers) == num_workers and
+            all(w.load.num_free_blocks == w.load.num_total_blocks and w.num_placed == 0 for w in s.workers))
+
+
+def wait_cluster_idle(scheduler_port: int, secret_file: Path, num_workers: int) -> float | None:
+    """Seconds until cluster_idle, or None past IDLE_TIMEOUT_S."""
+    start = time.monotonic()
+    while time.monotonic() - start < IDLE_TIMEOUT_S:
+        if cluster_idle(scheduler_port, secret_file, num_workers):
+            return time.monotonic() - start
+        time.sleep(0.2)
+    return None
+
+
+def write_secret_file(directory: Path) -> Path:
+    """A fresh cluster secret in a file only this user can read (serve's --cluster-secret-file)."""
+    path = directory / "cluster-secret"
+    path.write_text(os.urandom(24).hex())
+    path.chmod(0o600)
+    return path
+
+
 class Chaos:
     def __init__(self, args: argparse.Namespace, workdir: Path):
         self.args = args
         self.ports = {name: free_port() for name in ("rest", "grpc", "scheduler", "metrics", "rest2", "redis")}
-        self.secret_file = workdir / "cluster-secret"
-        self.secret_file.write_text(os.urandom(24).hex())
-        self.secret_file.chmod(0o600)
+        self.secret_file = write_secret_file(workdir)
         self.logs = workdir
         self.redis: subprocess.Popen | None = None
         self.serve: subprocess.Popen | None = None
@@ -136,30 +170,8 @@ class Chaos:
                 except subprocess.TimeoutExpired:
                     proc.kill()
 
-    def cluster_idle(self) -> bool:
-        import grpc
-
-        from metroserve.rpc import cluster_pb2, cluster_pb2_grpc
-        from metroserve.rpc.auth import SECRET_METADATA_KEY
-
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{self.ports['scheduler']}") as channel:
-                s = cluster_pb2_grpc.ClusterStub(channel).GetStatus(
-                    cluster_pb2.ClusterStatusRequest(), timeout=5,
-                    metadata=((SECRET_METADATA_KEY, self.secret_file.read_text()),))
-        except grpc.RpcError:
-            return False
-        return (s.queue_depth == 0 and s.num_active_requests == 0 and len(s.workers) == 2 and
-                all(w.load.num_free_blocks == w.load.num_total_blocks and w.num_placed == 0 for w in s.workers))
-
     def wait_idle(self) -> float | None:
-        """Seconds until the cluster is idle with both workers, or None past IDLE_TIMEOUT_S."""
-        start = time.monotonic()
-        while time.monotonic() - start < IDLE_TIMEOUT_S:
-            if self.cluster_idle():
-                return time.monotonic() - start
-            time.sleep(0.2)
-        return None
+        return wait_cluster_idle(self.ports["scheduler"], self.secret_file, 2)
 
     def wait_gateways(self) -> None:
         assert self.serve is not None and self.gateway2 is not None

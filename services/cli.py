@@ -286,6 +286,8 @@ _BENCHMARKS = {
                               "attempts, the gateway's memory"),
     "chaos": _Benchmark("chaos", "one fault at a time (SIGKILL/SIGSTOP a worker, SIGKILL the scheduler, a gateway, "
                         "redis) against serve --workers 2 with 16 greedy streams: identical text, blocks freed"),
+    "soak": _Benchmark("soak", "streaming clients for a long run, a share leaving mid-stream: resident memory of "
+                       "every process over time, no request left running, every block free"),
     "slowloris": _Benchmark("slowloris", "slow clients (headers and bodies a byte at a time) beside normal streams: "
                             "are they dropped by the timeouts, and the normal streams' ITL"),
     "overhead": _Benchmark("serve_overhead", "the service path (REST -> gateway -> scheduler -> worker) vs offline"),
