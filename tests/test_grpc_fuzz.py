@@ -88,7 +88,7 @@ def _build(cls, values: dict):
     msg = cls()
     for name, value in values.items():
         field = cls.DESCRIPTOR.fields_by_name[name]
-        target = getattr(msg, name) if field.type == FieldDescriptor.TYPE_MESSAGE else None
+        target = getattr(msg, name)
         if isinstance(value, dict) and field.message_type is not None and field.message_type.GetOptions().map_entry:
             target.update(value)
         elif isinstance(value, dict):
@@ -139,7 +139,7 @@ def _code(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-FUZZ_SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 
 
 def test_generated_messages_get_no_server_error_and_malformed_bytes_crash_nothing(cluster):
@@ -155,7 +155,7 @@ def test_generated_messages_get_no_server_error_and_malformed_bytes_crash_nothin
         if code not in CLIENT_OR_LOAD:
             bad.append(f"{method} {code.name}: {request!r:.400}")
 
-    @settings(max_examples=EXAMPLES["Generate"], **FUZZ_SETTINGS)
+    @settings(FUZZ_SETTINGS, max_examples=EXAMPLES["Generate"])
     @given(message_strategy(generation_pb2.GenerateRequest.DESCRIPTOR), st.sampled_from(["", MODEL, None]))
     def generate(values, model):
         request = _cheap(_build(generation_pb2.GenerateRequest, values))
@@ -163,19 +163,19 @@ def test_generated_messages_get_no_server_error_and_malformed_bytes_crash_nothin
             request.model = model
         check("Generate", request, lambda: list(stub.Generate(request, timeout=30)))
 
-    @settings(max_examples=EXAMPLES["Abort"], **FUZZ_SETTINGS)
+    @settings(FUZZ_SETTINGS, max_examples=EXAMPLES["Abort"])
     @given(message_strategy(generation_pb2.AbortRequest.DESCRIPTOR))
     def abort(values):
         request = _build(generation_pb2.AbortRequest, values)
         check("Abort", request, lambda: stub.Abort(request, timeout=30))
 
-    @settings(max_examples=EXAMPLES["ListModels"], **FUZZ_SETTINGS)
+    @settings(FUZZ_SETTINGS, max_examples=EXAMPLES["ListModels"])
     @given(st.just({}))
     def list_models(values):
         request = generation_pb2.ListModelsRequest()
         check("ListModels", request, lambda: stub.ListModels(request, timeout=30))
 
-    @settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)
+    @settings(FUZZ_SETTINGS, max_examples=RAW_EXAMPLES)
     @given(st.sampled_from(["Generate", "Abort", "ListModels"]), st.binary(max_size=300))
     def malformed(method, payload):
         if method == "Generate":

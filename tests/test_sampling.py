@@ -162,7 +162,7 @@ def test_a_temperature_below_sampling_eps_is_greedy(llm, prompts):
     for temperature in (5e-324, 1e-300, SAMPLING_EPS / 2):
         assert SamplingParams(temperature=temperature).greedy
         assert tokens(temperature) == greedy
-    choice = StructuredOutputsParams(choice=["yes", "no"])
+    choice = StructuredOutputsParams(choice=("yes", "no"))
     out = llm.generate(prompts, SamplingParams(temperature=1e-300, max_tokens=8, structured_outputs=choice),
                        use_tqdm=False)
     assert all(o.outputs[0].text in ("yes", "no") for o in out)
