@@ -76,10 +76,16 @@ MAX_WORKERS_LOST = 3
 CALLER_FINISH_REASONS = ("stop", "length", "abort")
 
 
+def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
+    """How often a worker must be heard from: three chances per timeout, so one late message is no loss.
+    A stalled worker is therefore declared lost between timeout - interval and timeout after it stopped."""
+    return heartbeat_timeout_s / 3
+
+
 def report_interval_s(num_workers: int, heartbeat_timeout_s: float) -> float:
     """How often each of `num_workers` workers reports (see REPORTS_PER_S)."""
     interval = float(2 ** max(0, math.ceil(math.log2(max(1, num_workers) / REPORTS_PER_S))))
-    return min(interval, heartbeat_timeout_s / 3)
+    return min(interval, heartbeat_interval_s(heartbeat_timeout_s))
 
 
 class ErrorCode(enum.StrEnum):

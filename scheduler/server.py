@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from metroserve.kvstore import open_kvstore
 from metroserve.rpc import GENERATION_SERVICE, SCHEDULER_GRPC_OPTIONS, cluster_pb2, cluster_pb2_grpc
 from metroserve.rpc.auth import ClusterCredentials, add_server_port, server_interceptors
-from metroserve.scheduler.core import CoreOptions, SchedulerCore
+from metroserve.scheduler.core import CoreOptions, SchedulerCore, heartbeat_interval_s
 from metroserve.scheduler.metrics import SchedulerCollector
 from metroserve.services.metrics_http import start_metrics_server
 
@@ -87,7 +87,8 @@ class WorkerHubService(cluster_pb2_grpc.WorkerHubServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Register")
         link = self.core.worker_registered(first.register, time.monotonic())
         await self.update_readiness()
-        hello = cluster_pb2.SchedulerMessage(heartbeat_interval_s=self.core.options.heartbeat_timeout_s / 3,
+        heartbeat_s = heartbeat_interval_s(self.core.options.heartbeat_timeout_s)
+        hello = cluster_pb2.SchedulerMessage(heartbeat_interval_s=heartbeat_s,
                                              report_interval_s=self.core.report_interval_s)
         try:
             async for msg in _serve_link(hello, request_iterator, link, f"worker {link.worker_id}",
