@@ -125,7 +125,7 @@ def _schema_text(schema: object, param: str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise BadRequest(f"the JSON schema in '{param}' is not valid JSON: {e}", param=param) from None
     if not isinstance(schema, (dict, bool)):
         raise BadRequest(f"the JSON schema in '{param}' must be an object", param=param)

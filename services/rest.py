@@ -23,6 +23,7 @@ import ctypes
 import functools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -33,6 +34,7 @@ import grpc
 from aiohttp import web
 from opentelemetry import trace
 
+from metroserve.common.json_limits import JsonLimitError, check_json_shape
 from metroserve.rpc import generation_pb2
 from metroserve.services.cluster_client import ClusterClient, UpstreamError
 from metroserve.services.cors import CorsPolicy
@@ -64,6 +66,7 @@ _UNPROTECTED = ("/health", "/metrics", "/version", "/openapi.json", "/docs")
 REQUEST_ID_HEADER = "X-Request-Id"
 # transformers' model_max_length when the tokenizer's config sets none (its VERY_LARGE_INTEGER).
 _UNSET_MAX_LENGTH = int(1e30)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
 
 class ModelNotFound(LookupError):
@@ -264,12 +267,21 @@ class RestAPI:
         except TimeoutError:
             raise web.HTTPRequestTimeout() from None
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            text = raw.decode("utf-8-sig")  # strict: invalid bytes and encoded lone surrogates fail here
+            body = json.loads(text)
+            if _SURROGATE_ESCAPE.search(text):  # \ud800 escapes: pairs are fine, a lone one cannot be encoded
+                json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeError as e:
+            raise BadRequest(f"the body is not valid UTF-8: {e}") from None
+        except (json.JSONDecodeError, RecursionError) as e:
             raise BadRequest(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         check_batch_size(body, self.limits.max_sequences_per_request)
+        try:
+            check_json_shape(body, "the body")
+        except JsonLimitError as e:
+            raise BadRequest(str(e), code="json_too_deep_or_long") from None
         validate_body(request.path, body)  # the route's published schema (services/openapi.py)
         return body
 

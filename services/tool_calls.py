@@ -90,7 +90,7 @@ class ToolRequest:
         if self.mode == "required":
             try:
                 calls = [ToolCall(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
-            except (json.JSONDecodeError, TypeError, KeyError):  # cut off by max_tokens: not a call
+            except (json.JSONDecodeError, RecursionError, TypeError, KeyError):  # cut off by max_tokens: not a call
                 return text, []
             return None, calls
         content, calls = (_parse_hermes if self.parser == "hermes" else _parse_llama3_json)(text)
@@ -134,7 +134,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     for body in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], flags=re.DOTALL):
         try:
             call = _call_from(json.loads(body), "arguments")
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # the model's text nests past what the parser takes
             call = None
         if call is None:  # not a well-formed call: the whole output is content
             return text, []
@@ -153,7 +153,7 @@ def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     while position < len(body):
         try:
             obj, end = decoder.raw_decode(body, position)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return text, []
         call = _call_from(obj, "parameters")
         if call is None:

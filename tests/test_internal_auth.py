@@ -9,6 +9,11 @@ that no message is parsed). With the secret, the same calls work, and serve need
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
+from pathlib import Path
+
 import grpc
 import openai
 import pytest
@@ -115,6 +120,49 @@ def test_cannot_subscribe_to_a_workers_tokens(stack):
         _refused(lambda: next(iter(stub.Subscribe(cluster_pb2.Subscription(gateway_id="rogue"),
                                                   metadata=NO_SECRET, timeout=10))))
 
+
+
+def _listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(ip, port) of every TCP socket the process listens on, from /proc: its socket inodes
+    matched against its network namespace's tcp and tcp6 tables (state 0A is LISTEN)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:
+                continue
+            ip_hex, port_hex = fields[1].split(":")
+            raw = bytes.fromhex(ip_hex)  # 32-bit words in host (little-endian) order
+            ip = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, ip), int(port_hex, 16)))
+    return found
+
+
+def _is_loopback(ip: str) -> bool:
+    """127.0.0.0/8 and ::1, also as grpc binds them: IPv4 in IPv6 (::ffff:127.0.0.1)."""
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def test_serve_listens_on_loopback_only(stack):
+    """Every port of every process serve started (gateway HTTP and gRPC, scheduler, worker token
+    and health ports, metrics) is bound to loopback when no --host asks otherwise."""
+    listening = {component: [a for pid in stack.child_pids(component) for a in _listening_addresses(pid)]
+                 for component in ("gateway", "scheduler", "worker")}
+    assert all(listening.values()), listening  # each process listens somewhere: the parse found them
+    assert (stack.port in {port for _, port in listening["gateway"]}
+            and stack.grpc_port in {port for _, port in listening["gateway"]}), listening
+    exposed = {c: [a for a in addrs if not _is_loopback(a[0])] for c, addrs in listening.items()}
+    assert not any(exposed.values()), exposed
 
 def test_with_credentials_everything_works(stack):
     """serve made and handed out the secret itself: requests run, and a peer holding it is served."""

@@ -166,6 +166,88 @@ def test_body_that_is_not_a_json_object_gets_400(stack, endpoint, raw):
     assert_openai_400(*post(stack, endpoint, raw))
 
 
+
+def _nested(depth: int) -> str:
+    """JSON text of `depth` nested objects: {"a": {"a": ... {} ...}}."""
+    return '{"a": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
+def _deep_schema(depth: int) -> str:
+    """A JSON schema nesting `depth` object levels (the grammar engine's compile time grows steeply
+    with this: 2,000 levels did not compile in 120 s)."""
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("depth", [100, 100_000])  # past the 64-level bound; past Python's recursion limit
+def test_a_body_nested_past_the_bound_gets_400(stack, endpoint, depth):
+    base = json.dumps(BASE[endpoint])
+    raw = (base[:-1] + ', "metadata": ' + _nested(depth) + "}").encode()
+    status, ctype, reply = post(stack, endpoint, raw)
+    assert_openai_400(status, ctype, reply)
+    assert "nests deeper than 64" in reply["error"]["message"] or "not valid JSON" in reply["error"]["message"]
+
+
+def test_a_body_nested_within_the_bound_is_served(stack):
+    raw = (json.dumps(BASE[COMPLETIONS])[:-1] + ', "metadata": ' + _nested(60) + "}").encode()
+    status, _, reply = post(stack, COMPLETIONS, raw)
+    assert status == 200, reply
+
+
+def test_an_array_past_the_bound_gets_400(stack):
+    """2^20 + 1 token ids fit in the body limit (2 MB) but not the array bound."""
+    raw = b'{"max_tokens": 4, "prompt": [' + b"5," * (1 << 20) + b"5]}"
+    assert len(raw) < MAX_BODY_BYTES
+    status, ctype, reply = post(stack, COMPLETIONS, raw)
+    assert_openai_400(status, ctype, reply)
+    assert reply["error"]["code"] == "json_too_deep_or_long"
+    assert "1048577 items" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("raw", [b'"\xc3\x28"', b'"ok \xff"', b'"\xed\xa0\x80"', b'"a \\ud800 b"'],
+                         ids=["bad-continuation", "stray-byte", "encoded-surrogate", "escaped-lone-surrogate"])
+def test_invalid_utf8_inside_a_string_gets_400(stack, endpoint, raw):
+    body = (b'{"prompt": ' + raw + b', "max_tokens": 4}' if endpoint == COMPLETIONS
+            else b'{"messages": [{"role": "user", "content": ' + raw + b'}], "max_tokens": 4}')
+    assert_openai_400(*post(stack, endpoint, body))
+
+
+def test_an_escaped_surrogate_pair_is_served(stack):
+    """What json.dumps sends for an emoji by default: one character, not an encoding error."""
+    status, _, reply = post(stack, COMPLETIONS, b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}')
+    assert status == 200, reply
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", _deep_schema(100)),
+    ("guided_json", _deep_schema(2000)),
+    ("guided_json", '{"a": ' * 100_000 + "1" + "}" * 100_000),  # past Python's recursion limit
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": _deep_schema(2000)}}),
+    ("structured_outputs", {"json": _deep_schema(100)}),
+], ids=["guided_json-100", "guided_json-2000", "guided_json-100000", "response_format-2000",
+        "structured_outputs-100"])
+def test_a_json_schema_nested_past_the_bound_gets_400(stack, field, value):
+    """Refused at the edge in well under the time the grammar engine would take to compile it."""
+    status, ctype, reply = post(stack, COMPLETIONS, {**BASE[COMPLETIONS], field: value})
+    assert_openai_400(status, ctype, reply)
+    assert reply["error"]["param"] == field
+    assert "nests deeper than 64" in reply["error"]["message"] or "not valid JSON" in reply["error"]["message"]
+
+
+def test_a_json_schema_within_the_bound_is_served(stack):
+    status, _, reply = post(stack, COMPLETIONS, {**BASE[COMPLETIONS], "max_tokens": 8, "guided_json": _deep_schema(8)})
+    assert status == 200, reply
+
+
+@pytest.mark.parametrize("stop, fragment", [(["s"] * 65, "at most 64"), (["x" * 1025], "at most 1024 characters")],
+                         ids=["65-strings", "1025-chars"])
+def test_stop_strings_past_the_bound_get_400(stack, stop, fragment):
+    status, ctype, reply = post(stack, COMPLETIONS, {**BASE[COMPLETIONS], "stop": stop})
+    assert_openai_400(status, ctype, reply)
+    assert reply["error"]["param"] == "stop" and fragment in reply["error"]["message"]
+
+
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("value", ["yes", 1, "true"])
 def test_stream_of_the_wrong_type_gets_400(stack, endpoint, value):
@@ -272,6 +354,11 @@ GRPC_CASES = {
     "max_tokens-zero-with-n": generation_pb2.GenerateRequest(text="hi", params=generation_pb2.SamplingParams(
         max_tokens=0, n=2)),
     "empty-text": generation_pb2.GenerateRequest(text="", params=_params()),
+    "schema-nested-2000": generation_pb2.GenerateRequest(text="hi", params=_params(
+        structured_outputs=generation_pb2.StructuredOutputs(json=_deep_schema(2000)))),
+    "schema-past-recursion-limit": generation_pb2.GenerateRequest(text="hi", params=_params(
+        structured_outputs=generation_pb2.StructuredOutputs(json="[" * 100_000 + "]" * 100_000))),
+    "stop-65-strings": generation_pb2.GenerateRequest(text="hi", params=_params(stop=["s"] * 65)),
 }
 
 

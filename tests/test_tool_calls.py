@@ -67,6 +67,17 @@ def test_llama3_json_parser():
     assert request.may_start_call('{"na') == 0 and request.may_start_call("Hi") == 2
 
 
+@pytest.mark.parametrize("parser, mode", [("hermes", "auto"), ("llama3_json", "auto"), ("hermes", "required")])
+def test_output_nested_past_the_parsers_limit_is_content(parser, mode):
+    """A model may write brackets deeper than Python's json parser recurses: that text is content,
+    not a call, and not a crash."""
+    request = parse_tool_request({"tools": TOOLS, "tool_choice": mode}, parser)
+    assert request is not None
+    deep = '{"name": "get_time", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    text = {"hermes": f"<tool_call>{deep}</tool_call>", "llama3_json": deep}[parser] if mode == "auto" else f"[{deep}]"
+    assert request.parse(text) == (text, [])
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": TOOLS}, "tool_choice"),  # auto without a parser
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),

@@ -16,6 +16,10 @@ from metroserve.common.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+# Every stop string is searched for after every token (common/detokenizer.py), so their number and
+# length bound a request's per-token cost. OpenAI allows 4; these leave room for vLLM users' lists.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 # The gateway's default bound on one request's sequences (prompts x n), --max-sequences-per-request:
 # a batch is admitted or refused as a whole, so one the cluster could never hold is refused up front.
@@ -153,6 +157,10 @@ class SamplingParams:
                 fail("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
             if any(s == "" for s in stops):
                 fail("stop", "stop strings must not be empty")
+            if len(stops) > MAX_STOP_STRINGS:
+                fail("stop", f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            if max(map(len, stops), default=0) > MAX_STOP_STRING_CHARS:
+                fail("stop", f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters long")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids)

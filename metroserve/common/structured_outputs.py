@@ -13,7 +13,10 @@ turns it on.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+from metroserve.common.json_limits import JsonLimitError, check_json_shape
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -43,7 +46,22 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise StructuredOutputsError(f"{name} must be a non-empty string")
+        if self.json is not None:
+            _check_schema_shape(self.json)
 
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+
+def _check_schema_shape(schema: str) -> None:
+    """A schema the grammar engine could compile in reasonable time: valid JSON within the nesting
+    and array bounds (common/json_limits.py says why a deep schema would stall a worker)."""
+    try:
+        document = json.loads(schema)
+    except (ValueError, RecursionError) as e:
+        raise StructuredOutputsError(f"the JSON schema is not valid JSON: {e}") from None
+    try:
+        check_json_shape(document, "the JSON schema")
+    except JsonLimitError as e:
+        raise StructuredOutputsError(str(e)) from None
