@@ -121,12 +121,10 @@ _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disabl
 
 
 def _schema_text(schema: object, param: str) -> str:
-    """A JSON schema given as an object or as JSON text -> JSON text."""
+    """A JSON schema given as an object or as JSON text -> JSON text; StructuredOutputsParams checks
+    the text (valid JSON, an object, within the nesting bounds) for this edge and gRPC's alike."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise BadRequest(f"the JSON schema in '{param}' is not valid JSON: {e}", param=param) from None
+        return schema
     if not isinstance(schema, (dict, bool)):
         raise BadRequest(f"the JSON schema in '{param}' must be an object", param=param)
     return json.dumps(schema)

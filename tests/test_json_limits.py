@@ -48,6 +48,7 @@ def test_scalars_and_flat_documents_pass():
     ('{"type": "object", "properties": {"a": ' * 40 + "{}" + "}}" * 40, "nests deeper than 64"),
     ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # past Python's recursion limit
     ('{"type": ', "not valid JSON"),
+    ("[1, 2]", "must be an object"),
 ])
 def test_structured_outputs_refuses_a_schema_out_of_bounds(schema, fragment):
     """Both edges (REST and gRPC) build StructuredOutputsParams, so both refuse it before any worker

@@ -55,12 +55,14 @@ class StructuredOutputsParams:
 
 
 def _check_schema_shape(schema: str) -> None:
-    """A schema the grammar engine could compile in reasonable time: valid JSON within the nesting
-    and array bounds (common/json_limits.py says why a deep schema would stall a worker)."""
+    """A schema the grammar engine could compile in reasonable time: a JSON object (or boolean)
+    within the nesting and array bounds (common/json_limits.py says why a deep one would stall a worker)."""
     try:
         document = json.loads(schema)
     except (ValueError, RecursionError) as e:
         raise StructuredOutputsError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(document, (dict, bool)):
+        raise StructuredOutputsError("the JSON schema must be an object")
     try:
         check_json_shape(document, "the JSON schema")
     except JsonLimitError as e:
