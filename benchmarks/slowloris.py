@@ -41,7 +41,7 @@ class SlowClientStats:
     opened: int = 0
     closed_by_server: int = 0
     got_408: int = 0
-    lifetimes_s: list[float] = field(default_factory=list)  # connect to the server's close
+    lifetimes_s: list[float] = field(default_factory=list)  # from before the connect to the server's close
     errors: list[str] = field(default_factory=list)  # a connect that failed (the server refused)
 
     def summary(self) -> dict[str, Any]:
@@ -54,9 +54,11 @@ class SlowClientStats:
 async def _one_slow_connection(host: str, port: int, mode: str, interval_s: float, stop: asyncio.Event,
                                stats: SlowClientStats) -> bool:
     """Hold one connection, a byte per interval, until the server closes it (True) or stop is set."""
+    # Timed from before the connect: the server's timer cannot start earlier, while a busy client
+    # loop may resume from the connect well after the server accepted it (a lifetime too short).
+    start = time.monotonic()
     reader, writer = await asyncio.open_connection(host, port)
     stats.opened += 1
-    start = time.monotonic()
     try:
         writer.write(SLOW_BODY if mode == "body" else SLOW_HEADERS)
         reply = b""

@@ -42,9 +42,10 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[MockCluster]:
 
 
 async def _idle_connection(port: int) -> float:
-    """Connect, send nothing; seconds until the server closes the connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    """Connect, send nothing; seconds from before the connect (the server's timer cannot start
+    earlier) until the server closes the connection."""
     start = time.monotonic()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         assert await asyncio.wait_for(reader.read(), KEEP_ALIVE_S + 10) == b""
         return time.monotonic() - start
