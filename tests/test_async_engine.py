@@ -87,3 +87,59 @@ def test_abort_frees_blocks_and_others_finish(tiny_model_dir):
                 pass
 
     asyncio.run(main())
+
+
+class _SlowFlushSink:
+    """A StepSink whose flush of a step's output takes a while, as a worker's does while its token
+    stream sends: the engine loop awaits it, and requests can arrive meanwhile."""
+
+    def __init__(self):
+        self.finished: dict[str, str] = {}
+        self.flushing_abort = asyncio.Event()
+
+    def step_done(self, result):
+        aborted = False
+        for out in result.outputs:
+            if out.finished:
+                self.finished[out.request_id] = out.outputs[0].finish_reason
+                aborted |= out.outputs[0].finish_reason == "abort"
+        if not aborted:
+            return None
+
+        async def flush():
+            self.flushing_abort.set()
+            await asyncio.sleep(0.2)
+
+        return flush()
+
+    def rejected(self, request_id, error):
+        raise AssertionError(f"{request_id} rejected: {error}")
+
+    def failed(self, error):
+        raise AssertionError(f"engine failed: {error}")
+
+
+def test_request_submitted_while_an_abort_flushes_is_served(tiny_model_dir):
+    """Regression: the step loop awaited the flush of an aborted request, then found no request
+    running (the new one was still queued as a command) and slept on a wakeup already spent: the
+    new request waited for the next one to arrive (a 1-token request hung 120 s in CI)."""
+
+    async def main():
+        sink = _SlowFlushSink()
+        engine = AsyncEngine(model=str(tiny_model_dir), sink=sink, step_inline=True)
+        engine.submit([9] * 40, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), "long")
+        deadline = time.monotonic() + 60
+        while engine.engine.stats().num_running == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            await asyncio.sleep(0.01)
+        engine.abort("long")
+        await asyncio.wait_for(sink.flushing_abort.wait(), 60)
+        engine.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=1), "short")
+        deadline = time.monotonic() + 30
+        while "short" not in sink.finished:
+            assert time.monotonic() < deadline, "the request submitted during the flush never ran"
+            await asyncio.sleep(0.01)
+        await engine.shutdown()
+        return sink.finished
+
+    assert asyncio.run(main()) == {"long": "abort", "short": "length"}

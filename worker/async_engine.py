@@ -215,6 +215,7 @@ class AsyncEngine:
                     flushed = self._publish([], ended)
                     if flushed is not None:
                         await flushed
+                        continue  # commands that came meanwhile are applied before the loop may sleep
                 if not self.engine.has_unfinished_requests():
                     wakeup.clear()
                     await wakeup.wait()
