@@ -120,14 +120,10 @@ _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disabl
                     "disable_additional_properties")
 
 
-def _schema_text(schema: object, param: str) -> str:
+def _schema_text(schema: object) -> str:
     """A JSON schema given as an object or as JSON text -> JSON text; StructuredOutputsParams checks
     the text (valid JSON, an object, within the nesting bounds) for this edge and gRPC's alike."""
-    if isinstance(schema, str):
-        return schema
-    if not isinstance(schema, (dict, bool)):
-        raise BadRequest(f"the JSON schema in '{param}' must be an object", param=param)
-    return json.dumps(schema)
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 def _from_response_format(fmt: object) -> StructuredOutputsParams | None:
@@ -141,7 +137,7 @@ def _from_response_format(fmt: object) -> StructuredOutputsParams | None:
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise BadRequest("'response_format.json_schema' must be an object with a 'schema'", param="response_format")
-    return StructuredOutputsParams(json=_schema_text(spec["schema"], "response_format"),
+    return StructuredOutputsParams(json=_schema_text(spec["schema"]),
                                    strict=bool(spec.get("strict", True)))
 
 
@@ -151,7 +147,7 @@ def _from_structured_outputs(spec: object) -> StructuredOutputsParams:
                          param="structured_outputs")
     kwargs: dict = {k: spec[k] for k in ("regex", "grammar") if spec.get(k) is not None}
     if spec.get("json") is not None:
-        kwargs["json"] = _schema_text(spec["json"], "structured_outputs")
+        kwargs["json"] = _schema_text(spec["json"])
     if spec.get("choice") is not None:
         if not isinstance(spec["choice"], list):
             raise BadRequest("'structured_outputs.choice' must be a list of strings", param="structured_outputs")
@@ -181,7 +177,7 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str 
             return _from_structured_outputs(body[name]), name
         value = body[name]
         if name == "guided_json":
-            value = _schema_text(value, name)
+            value = _schema_text(value)
         elif name == "guided_choice":
             if not isinstance(value, list):
                 raise BadRequest("'guided_choice' must be a list of strings", param=name)
