@@ -29,9 +29,17 @@ class MemoryKVStore:
 
     def add_blocks(self, worker_id: str, epoch: int, hashes: Iterable[bytes]) -> None:
         """Record that ``worker_id`` (at ``epoch``) holds these blocks; replaces an older epoch's entry."""
+        hashes = list(hashes)
+        if not hashes:
+            return
+        index = self._index
         for h in hashes:
-            self._index.setdefault(h, {})[worker_id] = epoch
-            self._by_worker.setdefault(worker_id, set()).add(h)
+            holders = index.get(h)
+            if holders is None:
+                index[h] = {worker_id: epoch}
+            else:
+                holders[worker_id] = epoch
+        self._by_worker.setdefault(worker_id, set()).update(hashes)
 
     def remove_blocks(self, worker_id: str, epoch: int, hashes: Iterable[bytes]) -> None:
         """Drop the worker's entries for these blocks, but only those recorded under ``epoch``.

@@ -433,8 +433,10 @@ class SchedulerCore:
         """The request is over (its placements released by the caller): out of the queue, the
         migrations under way and the live requests."""
         state.placements.clear()
-        self.queue = [p for p in self.queue if p.request is not state]
-        self.resuming = {k: p for k, p in self.resuming.items() if p.request is not state}
+        if self.queue:
+            self.queue = [p for p in self.queue if p.request is not state]
+        if self.resuming:
+            self.resuming = {k: p for k, p in self.resuming.items() if p.request is not state}
         self._forget(state)
 
     def _forget(self, state: RequestState) -> None:

@@ -13,6 +13,7 @@ and what was just placed there (blocks it is computing now, not yet reported).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Protocol, TypeVar
 
@@ -24,7 +25,8 @@ NO_ROOM_PENALTY = 1e6
 
 class WorkerLoad(Protocol):
     """What placement reads of a candidate worker (scheduler/worker_link.py's WorkerLink is one:
-    read in place, since every placement reads every candidate)."""
+    read in place, since every placement reads every candidate; plain attributes there, since a
+    property read is a Python call)."""
 
     @property
     def worker_id(self) -> str: ...
@@ -49,25 +51,30 @@ def leading_matches(hashes: list[bytes], held: Counter) -> int:
     return n
 
 
-def placement_cost(num_prompt_tokens: int, overlap_blocks: int, load: WorkerLoad) -> float:
-    to_compute = max(num_prompt_tokens - overlap_blocks * load.block_size, 1)
-    cost = to_compute + load.queued_prefill_tokens + RUNNING_SEQ_COST * load.num_placed_seqs
-    if -(-to_compute // load.block_size) > load.num_free_blocks:
-        cost += NO_ROOM_PENALTY
-    return cost
-
-
 L = TypeVar("L", bound=WorkerLoad)
 
 
 def choose_worker(num_prompt_tokens: int, hashes: list[bytes], loads: list[L],
                   index_overlap: dict[str, int]) -> tuple[L, int]:
-    """The cheapest worker and how many leading prompt blocks it holds. Ties go to the first listed."""
-    best: tuple[float, L, int] | None = None
+    """The cheapest worker and how many leading prompt blocks it holds. Ties go to the first listed.
+
+    Runs per request over every candidate (64 workers: 64 passes), so the cost is computed inline:
+    a worker computing none of the prompt's first block is not searched further."""
+    first = hashes[0] if hashes else None
+    best_cost, best, best_overlap = math.inf, None, 0
     for load in loads:
-        overlap = max(index_overlap.get(load.worker_id, 0), leading_matches(hashes, load.inflight_blocks))
-        cost = placement_cost(num_prompt_tokens, overlap, load)
-        if best is None or cost < best[0]:
-            best = (cost, load, overlap)
+        overlap = index_overlap.get(load.worker_id, 0) if index_overlap else 0
+        inflight = load.inflight_blocks
+        if first is not None and inflight and inflight.get(first):
+            overlap = max(overlap, leading_matches(hashes, inflight))
+        block_size = load.block_size
+        to_compute = num_prompt_tokens - overlap * block_size
+        if to_compute < 1:
+            to_compute = 1
+        cost = to_compute + load.queued_prefill_tokens + RUNNING_SEQ_COST * load.num_placed_seqs
+        if -(-to_compute // block_size) > load.num_free_blocks:
+            cost += NO_ROOM_PENALTY
+        if cost < best_cost:
+            best_cost, best, best_overlap = cost, load, overlap
     assert best is not None, "choose_worker needs at least one worker"
-    return best[1], best[2]
+    return best, best_overlap

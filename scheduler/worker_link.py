@@ -26,6 +26,13 @@ class WorkerLink:
         self.address = register.address
         self.limits = limits
         self.load = cluster_pb2.LoadReport(num_free_blocks=limits.num_blocks, num_total_blocks=limits.num_blocks)
+        # What placement reads of every candidate for every request (scheduler/placement.py's
+        # WorkerLoad), kept as plain attributes: num_free_blocks as of the last load report;
+        # queued_prefill_tokens, prefill tokens of placements the worker may not have computed yet
+        # (reported fewer than twice since placed), kept as a sum.
+        self.block_size = limits.block_size
+        self.num_free_blocks = limits.num_blocks
+        self.queued_prefill_tokens = 0
         self.draining = False
         self.last_seen = time.monotonic()
         self.placements: dict[str, Placement] = {}
@@ -37,9 +44,6 @@ class WorkerLink:
         self.orphans: dict[str, cluster_pb2.RunningPlacement] = {}
         self.inflight_blocks: Counter = Counter()
         self.num_placed_seqs = 0
-        # Prefill tokens of placements the worker may not have computed yet (reported fewer than
-        # twice since placed): kept as a sum, since placement reads it for every candidate worker.
-        self._queued_prefill = 0
         self._assign: list[cluster_pb2.Assignment] = []
         self._end: list[cluster_pb2.PlacementEnd] = []
         self._report_interval_s = 0.0  # a new interval to send; 0: none
@@ -50,27 +54,15 @@ class WorkerLink:
     def capacity(self) -> int:
         return self.limits.max_num_seqs - self.num_placed_seqs
 
-    # What placement reads (scheduler/placement.py's WorkerLoad), besides the attributes above.
-    @property
-    def queued_prefill_tokens(self) -> int:
-        return self._queued_prefill
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.load.num_free_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.limits.block_size
-
     def load_reported(self, load: cluster_pb2.LoadReport) -> None:
         self.load = load
-        if not self._queued_prefill:
+        self.num_free_blocks = load.num_free_blocks
+        if not self.queued_prefill_tokens:
             return
         for placement in self.placements.values():
             placement.reports_since_placed += 1
             if placement.reports_since_placed == 2:
-                self._queued_prefill -= placement.prefill_tokens
+                self.queued_prefill_tokens -= placement.prefill_tokens
 
     def assign(self, placement: Placement, assignment: cluster_pb2.Assignment | None) -> None:
         """Place it here; `assignment` None: the worker runs it already (adopted after a restart)."""
@@ -79,7 +71,7 @@ class WorkerLink:
         self.inflight_blocks.update(placement.block_hashes)
         self.num_placed_seqs += placement.num_seqs
         if placement.reports_since_placed < 2:
-            self._queued_prefill += placement.prefill_tokens
+            self.queued_prefill_tokens += placement.prefill_tokens
         if assignment is not None:
             self._assign.append(assignment)
             self.wakeup.set()
@@ -126,7 +118,7 @@ class WorkerLink:
     def _free_slots(self, placement: Placement) -> None:
         self.num_placed_seqs -= placement.num_seqs
         if placement.reports_since_placed < 2:
-            self._queued_prefill -= placement.prefill_tokens
+            self.queued_prefill_tokens -= placement.prefill_tokens
 
     def _drop_blocks(self, placement: Placement | None) -> None:
         if placement is None:
