@@ -61,17 +61,22 @@ def stream_completions(base_url: str, model: str, prompts: list[str], max_tokens
     """Stream every prompt at once through the OpenAI client (greedy, ignore_eos); returns each
     one's (text, finish reason, completion tokens). Once the first stream has `started_at` chunks,
     `await on_progress(progress)` runs (progress: prompt index -> chunks so far), e.g. to kill a
-    process mid-run, while the streams go on as tasks of the same loop. The first stream, not every
-    one: the client reads the streams unevenly, and waiting for the slowest let a fast worker finish
-    all of its sequences before the hook ran. extra_body: more request fields."""
+    process mid-run, while the other streams go on as tasks of the same loop. The first stream, not
+    every one: the client reads the streams unevenly, and waiting for the slowest let a fast worker
+    finish all of its sequences before the hook ran. It runs inside that stream's task, at that
+    chunk: a watcher task polling `progress` woke late, since a stream task reads every chunk already
+    buffered without yielding (seen: 86 chunks read before the watcher ran, and in CI a kill that
+    landed after the victim had finished). extra_body: more request fields."""
     import asyncio
     from collections import Counter
 
     import openai
 
     progress: Counter[int] = Counter()
+    hook_ran = False
 
     async def one(client, i: int):
+        nonlocal hook_ran
         stream = await client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True, **(extra_body or {})},
                                                  stream_options={"include_usage": True})
@@ -81,20 +86,18 @@ def stream_completions(base_url: str, model: str, prompts: list[str], max_tokens
                 text.append(chunk.choices[0].text)
                 finish = chunk.choices[0].finish_reason or finish
                 progress[i] += 1
+                if on_progress is not None and not hook_ran and progress[i] >= started_at:
+                    hook_ran = True
+                    await on_progress(progress)
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
         return "".join(text), finish, tokens
 
     async def run():
         client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-        tasks = [asyncio.ensure_future(one(client, i)) for i in range(len(prompts))]
-        if on_progress is not None:
-            deadline = asyncio.get_running_loop().time() + 120
-            while not (progress and max(progress.values()) >= started_at):
-                assert asyncio.get_running_loop().time() < deadline, "streams did not start"
-                await asyncio.sleep(0.01)
-            await on_progress(progress)
-        return await asyncio.gather(*tasks)
+        results = await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+        assert on_progress is None or hook_ran, f"no stream reached {started_at} chunks"
+        return results
 
     return asyncio.run(run())
 
