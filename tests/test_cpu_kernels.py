@@ -57,6 +57,29 @@ def test_layer_ops_match_torch(kernels, rows):
     assert torch.equal(qkv[:, rotated * head_dim :], values)  # V is not rotated
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_store_kv_matches_index_copy(kernels, pool_dtype, tokens):
+    """store_kv writes what the torch backend's index_copy_ pair writes, bit for bit (bfloat16 pools
+    rounded as .to() rounds), from K and V that are column slices of one qkv row, and nothing else."""
+    gen = torch.Generator().manual_seed(tokens)
+    num_blocks, block_size, kv_heads, head_dim, q_size = 8, 16, 2, 16, 64
+    kv_size = kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen) * 3
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_pool, v_pool = torch.randn(shape, generator=gen).to(pool_dtype), torch.randn(shape, generator=gen).to(pool_dtype)
+    expected_k, expected_v = k_pool.clone(), v_pool.clone()
+    expected_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(pool_dtype))
+    expected_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(pool_dtype))
+    kernels.store_kv(k, v, k_pool, v_pool, slots)
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.store_kv(k, v, k_pool, v_pool, torch.full((tokens,), num_blocks * block_size))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 13, 64, 300])  # partial and whole row tiles of AVX2 (6) and AVX-512 (12)
 def test_packed_linear_matches_torch(kernels, rows):
     """The panel GEMM against F.linear, with output columns that end inside a panel and an odd K."""
@@ -110,7 +133,7 @@ ISA_MARCH = {"avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
 EXTRA_ISA_MARCH = {"avx2-vnni": "-march=x86-64-v3 -mavxvnni", "avx512": "-march=x86-64-v4"}
 EXTRA_ISA_NEEDS = {"avx2-vnni": "avx_vnni", "avx512": "avx512bw"}  # /proc/cpuinfo's flag
 ISA_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "quant_linear.cpp", "quant_linear_int8.cpp",
-               "bindings.cpp")
+               "kv_store.cpp", "bindings.cpp")
 
 
 def build_for_instruction_set(isa: str) -> ModuleType:

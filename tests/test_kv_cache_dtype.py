@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from metroserve import LLM, SamplingParams
-from metroserve.worker.attention import cpu as cpu_attention
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from tests.conftest import assert_all_blocks_free
 from tests.test_cpu_kernels import ATTENTION_ISAS, build_for_instruction_set
@@ -84,12 +83,16 @@ def test_engine_equals_float32_engine_with_rounded_kv(tiny_model_dir, monkeypatc
     assert reference.engine.kv_cache.k.dtype == torch.float32
     assert reference.engine.kv_cache.num_blocks * 2 == pool.num_blocks  # same memory, half the bytes a block
     reference.engine.model.fused_decode = None
-    store = cpu_attention.write_kv
+    kernels = reference.engine.runner.attention.kernels
 
-    def store_rounded(layer, k, v, kv_cache, slot_mapping):
-        return store(layer, k.bfloat16().float(), v.bfloat16().float(), kv_cache, slot_mapping)
+    class RoundingStore:  # the kernels, with K and V rounded to bfloat16 on their way into the float32 pool
+        def __getattr__(self, name):
+            return getattr(kernels, name)
 
-    monkeypatch.setattr(cpu_attention, "write_kv", store_rounded)
+        def store_kv(self, k, v, *pools_and_slots):
+            kernels.store_kv(k.bfloat16().float(), v.bfloat16().float(), *pools_and_slots)
+
+    monkeypatch.setattr(reference.engine.runner.attention, "kernels", RoundingStore())
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
     assert got == expected
 

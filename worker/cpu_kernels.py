@@ -1,7 +1,8 @@
-"""Compiled CPU kernels: paged attention (csrc/paged_*_attention.cpp), the decoder layer's fused
-elementwise steps (csrc/layer_ops.cpp), the small-batch projection GEMM (csrc/packed_linear.cpp),
-its counterparts over GGUF-quantized weights (csrc/quant_linear*.cpp) and a decode step's layers in
-one call (csrc/decode_stack.cpp, worker/fused_decode.py), float32 arithmetic.
+"""Compiled CPU kernels: paged attention (csrc/paged_*_attention.cpp) and its KV store
+(csrc/kv_store.cpp), the decoder layer's fused elementwise steps (csrc/layer_ops.cpp), the
+small-batch projection GEMM (csrc/packed_linear.cpp), its counterparts over GGUF-quantized weights
+(csrc/quant_linear*.cpp) and a decode step's layers in one call (csrc/decode_stack.cpp,
+worker/fused_decode.py), float32 arithmetic.
 
 One extension, built with torch's C++ extension loader (under a minute on 2 cores) by
 scripts/setup.sh (`python -m metroserve.worker.cpu_kernels`), else on the first engine start. The
@@ -40,7 +41,7 @@ NAME = "metroserve_cpu_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp",
                                          "layer_ops.cpp", "packed_linear.cpp", "quant_linear.cpp",
-                                         "quant_linear_int8.cpp", "decode_stack.cpp", "bindings.cpp"))
+                                         "quant_linear_int8.cpp", "kv_store.cpp", "decode_stack.cpp", "bindings.cpp"))
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILDING = "building CPU kernels (about a minute, once per checkout and machine)..."

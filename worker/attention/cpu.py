@@ -6,7 +6,8 @@ table instead, and csrc/paged_prefill_attention.cpp does the same for prefill ch
 after any cached or earlier-chunk context), 1.6x faster than SDPA's flash kernel on the
 throughput workload's prompts. Both are built with the other CPU kernels (cpu_kernels.py) and
 take a sliding window (a windowed query's loops start at its first visible key) and a soft-cap
-as plain arguments. The KV write is the torch backend's.
+as plain arguments. The KV write is csrc/layer_ops.cpp's store_kv: the torch backend's
+index_copy_ pair, without its dispatch cost.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from metroserve.worker.attention.base import MAX_ROW_QUERY, BatchLayout, query_rows, window_size
-from metroserve.worker.attention.torch_backend import write_kv
 from metroserve.worker.cpu_kernels import load_cpu_kernels
 from metroserve.worker.kv_cache import KVCache
 
@@ -67,7 +67,8 @@ class CpuAttention:
                 metadata: CpuMetadata, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         num_tokens, num_heads, head_dim = q.shape
-        k_pool, v_pool = write_kv(layer, k, v, kv_cache, metadata.slot_mapping)
+        k_pool, v_pool = kv_cache.k[layer], kv_cache.v[layer]
+        self.kernels.store_kv(k, v, k_pool, v_pool, metadata.slot_mapping)
         scale = head_dim ** -0.5 if scale is None else scale
         window, cap = metadata.sliding_window, softcap or 0.0
         if metadata.decode_only:

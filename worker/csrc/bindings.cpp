@@ -1,7 +1,7 @@
-// The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention, the layer's fused
+// The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention and its KV store, the layer's fused
 // elementwise steps, the small-batch projection GEMM, the GEMMs over GGUF-quantized weights and the
 // decode step's layers in one call (DecodeStack), one build. With METROSERVE_ISA_TEST_BUILD defined,
-// attention and the quantized GEMM alone: the tests build them so for the instruction sets this
+// attention, its KV store and the quantized GEMM alone: the tests build them so for the instruction sets this
 // machine does not select (tests/test_cpu_kernels.py).
 #include <torch/csrc/utils/pybind.h>
 
@@ -14,6 +14,7 @@ void register_decode_stack(pybind11::module& m);  // decode_stack.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention (CPU, float32)");
+  m.def("store_kv", &store_kv, "this step's K and V into their slots of the paged pools (CPU; float32 or bfloat16 pools)");
   m.def("pack_quant_weight", &pack_quant_weight,
         "[N, K / block * block bytes] GGML blocks (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14) in the strips quant_linear reads");
   m.def("quant_linear", &quant_linear, "x @ dequant(W)^T through pack_quant_weight's strips (CPU, float32)");

@@ -91,13 +91,9 @@ class DecodeStack {
       at::Tensor qkv = l.qkv(h);
       rotary_embedding(qkv, heads_ + kv_heads_, head_dim_, cos, sin);
       const at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, heads_, head_dim_});
-      const auto pool_dtype = l.k_pool.scalar_type();  // float32, or bfloat16 (rounded as it is stored)
-      l.k_pool.view({-1, kv_heads_, head_dim_})
-          .index_copy_(0, slot_mapping,
-                       qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_}).to(pool_dtype));
-      l.v_pool.view({-1, kv_heads_, head_dim_})
-          .index_copy_(0, slot_mapping,
-                       qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_}).to(pool_dtype));
+      store_kv(qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_}),
+               qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_}), l.k_pool, l.v_pool,
+               slot_mapping);
       const at::Tensor attn = paged_decode_attention(q.contiguous(), l.k_pool, l.v_pool, block_tables, seq_lens,
                                                      l.scale, l.sliding_window, l.softcap);
       h = add_rms_norm(l.o(attn.view({T, q_size})), residual, l.post_attention_norm, eps_);

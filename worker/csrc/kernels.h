@@ -12,6 +12,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                              at::Tensor query_start, at::Tensor query_lens, at::Tensor seq_lens, double scale,
                              int64_t sliding_window, double softcap, at::Tensor out);
+// kv_store.cpp
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping);
 // quant_linear.cpp, quant_linear_int8.cpp
 at::Tensor pack_quant_weight(at::Tensor raw, int64_t qtype, int64_t K);
 at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N);
