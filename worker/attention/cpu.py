@@ -6,7 +6,7 @@ table instead, and csrc/paged_prefill_attention.cpp does the same for prefill ch
 after any cached or earlier-chunk context), 1.6x faster than SDPA's flash kernel on the
 throughput workload's prompts. Both are built with the other CPU kernels (cpu_kernels.py) and
 take a sliding window (a windowed query's loops start at its first visible key) and a soft-cap
-as plain arguments. The KV write is csrc/layer_ops.cpp's store_kv: the torch backend's
+as plain arguments. The KV write is csrc/kv_store.cpp's store_kv: the torch backend's
 index_copy_ pair, without its dispatch cost.
 """
 

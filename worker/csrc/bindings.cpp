@@ -1,8 +1,9 @@
-// The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention and its KV store, the layer's fused
-// elementwise steps, the small-batch projection GEMM, the GEMMs over GGUF-quantized weights and the
-// decode step's layers in one call (DecodeStack), one build. With METROSERVE_ISA_TEST_BUILD defined,
-// attention, its KV store and the quantized GEMM alone: the tests build them so for the instruction sets this
-// machine does not select (tests/test_cpu_kernels.py).
+// The CPU kernels' Python module (worker/cpu_kernels.py builds it): attention and its KV store,
+// the layer's fused elementwise steps, the small-batch projection GEMM, the GEMMs over
+// GGUF-quantized weights and the decode step's layers in one call (DecodeStack), one build. With
+// METROSERVE_ISA_TEST_BUILD defined, attention, its KV store and the quantized GEMM alone: the
+// tests build them so for the instruction sets this machine does not select
+// (tests/test_cpu_kernels.py).
 #include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
