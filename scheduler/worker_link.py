@@ -29,8 +29,10 @@ class WorkerLink:
         # What placement reads of every candidate for every request (scheduler/placement.py's
         # WorkerLoad), kept as plain attributes: num_free_blocks as of the last load report;
         # queued_prefill_tokens, prefill tokens of placements the worker may not have computed yet
-        # (reported fewer than twice since placed), kept as a sum.
+        # (reported fewer than twice since placed), kept as a sum. max_num_seqs: for dispatch's
+        # filter of candidates with a free slot, which reads every worker for every request.
         self.block_size = limits.block_size
+        self.max_num_seqs = limits.max_num_seqs
         self.num_free_blocks = limits.num_blocks
         self.queued_prefill_tokens = 0
         self.draining = False
@@ -52,7 +54,7 @@ class WorkerLink:
 
     @property
     def capacity(self) -> int:
-        return self.limits.max_num_seqs - self.num_placed_seqs
+        return self.max_num_seqs - self.num_placed_seqs
 
     def load_reported(self, load: cluster_pb2.LoadReport) -> None:
         self.load = load

@@ -192,6 +192,21 @@ def test_admission_refusals_carry_their_code_retry_after_and_field():
     assert (status.num_rejected, status.num_admitted, status.queue_depth) == (10, 2, 1)
 
 
+def test_requests_with_the_same_settings_share_one_conversion_and_a_bad_setting_is_refused_every_time():
+    core = make_core()
+    gw = add_gateway(core)
+    add_worker(core, "a")
+    first = admit(core, gw, gen([1, 2], request_id="one", max_tokens=5, temperature=0.5, logit_bias={3: 1.0, 7: -2.0}))
+    # Same values, map entries in the other order: the same deterministic bytes, the same object.
+    second = admit(core, gw, gen([3, 4], request_id="two", max_tokens=5, temperature=0.5, logit_bias={7: -2.0, 3: 1.0}))
+    other = admit(core, gw, gen([3, 4], request_id="three", max_tokens=6, temperature=0.5))
+    assert second.params is first.params and other.params is not first.params
+    assert (first.params.max_tokens, first.params.temperature, other.params.max_tokens) == (5, 0.5, 6)
+    for request_id in ("bad1", "bad2"):  # a refusal is not cached as if it were admitted
+        status = refusal(core, gw, gen([1, 2], request_id=request_id, temperature=-1.0))
+        assert (status.code, status.param) == ("INVALID_ARGUMENT", "temperature")
+
+
 def test_a_request_goes_only_to_workers_whose_limits_admit_it():
     core = make_core()
     gw = add_gateway(core)
