@@ -39,15 +39,14 @@ def hash_prompt_blocks(
     parent: BlockHash = ROOT_HASH,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids``; a trailing partial block has none.
-    The same bytes hash_block hashes, converted once for the whole prompt, and the loop inlines
-    _hash_block_bytes (the scheduler hashes every prompt it places: 32 blocks a 512-token prompt)."""
+    The same bytes hash_block hashes, converted once for the whole prompt (the scheduler hashes
+    every prompt it places)."""
     data = np.asarray(token_ids, dtype="<i8").tobytes()
     keys = _encode_keys(extra_keys)
     step = 8 * block_size
-    sha256 = hashlib.sha256
     hashes: list[BlockHash] = []
     for start in range(0, len(data) - step + 1, step):
-        parent = sha256(parent + data[start:start + step] + keys).digest()[:16]
+        parent = _hash_block_bytes(parent, data[start:start + step], keys)
         hashes.append(parent)
     return hashes
 
