@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -143,3 +144,47 @@ def test_request_submitted_while_an_abort_flushes_is_served(tiny_model_dir):
         return sink.finished
 
     assert asyncio.run(main()) == {"long": "abort", "short": "length"}
+
+
+class _RecordingSink:
+    def __init__(self):
+        self.finished = asyncio.Event()
+
+    def step_done(self, result):
+        if any(out.finished for out in result.outputs):
+            self.finished.set()
+
+    def rejected(self, request_id, error):
+        raise AssertionError(f"{request_id} rejected: {error}")
+
+    def failed(self, error):
+        raise AssertionError(f"engine failed: {error}")
+
+
+def test_inline_steps_compute_prompts_off_the_event_loop(tiny_model_dir):
+    """The worker's inline mode: a step that computes prompt tokens can take seconds on a CPU, and
+    the worker's heartbeats leave from the event loop, so such a step runs in the step thread
+    (inline, a 2,048-token chunk outlasted a 3 s heartbeat timeout and a healthy worker was
+    declared lost). Decode steps stay on the loop's thread. A 40-token prompt in chunks of 16: three
+    prefill steps, then one decode step per further token."""
+
+    async def main():
+        sink = _RecordingSink()
+        engine = AsyncEngine(model=str(tiny_model_dir), sink=sink, step_inline=True,
+                             max_num_batched_tokens=16, max_num_seqs=4)
+        loop_thread = threading.get_ident()
+        on_loop: list[bool] = []
+        step = engine.engine.step
+
+        def recording_step():
+            on_loop.append(threading.get_ident() == loop_thread)
+            return step()
+
+        engine.engine.step = recording_step
+        engine.submit(list(range(3, 43)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                         speculative=False), "r")
+        await asyncio.wait_for(sink.finished.wait(), 60)
+        await engine.shutdown()
+        return on_loop
+
+    assert asyncio.run(main()) == [False] * 3 + [True] * 4

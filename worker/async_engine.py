@@ -63,9 +63,13 @@ class AsyncEngine:
         self.engine = LLMEngine(config, detokenize=detokenize, record_block_events=record_block_events, **kwargs)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._sink = sink
-        # Inline: steps run on the event loop's thread, between its other work. For a process whose
-        # loop only feeds the engine (the worker), this avoids GIL hand-offs between the two threads
-        # in every step; an application that must stay responsive during a step keeps the thread.
+        # Inline: decode steps run on the event loop's thread, between its other work. For a process
+        # whose loop only feeds the engine (the worker), this avoids GIL hand-offs between the two
+        # threads in every step. A step that computes prompt tokens still runs in the thread: it can
+        # take seconds on a CPU, and meanwhile the loop must send tokens and the worker's heartbeats
+        # (inline, a 2,048-token chunk on one slow core outlasted a 3 s heartbeat timeout, and the
+        # scheduler declared a healthy worker lost). An application that must stay responsive
+        # during every step keeps the thread for all of them.
         self._step_inline = step_inline
         # request id -> (its stream's queue, delta); queue None: a submit()ted request, output to the sink
         self._queues: dict[str, tuple[asyncio.Queue | None, bool]] = {}
@@ -220,7 +224,7 @@ class AsyncEngine:
                     wakeup.clear()
                     await wakeup.wait()
                     continue
-                if self._step_inline:
+                if self._step_inline and not self.engine.next_step_computes_prompt():
                     touched = self.engine.step()
                 else:
                     touched = await loop.run_in_executor(self._executor, self.engine.step)

@@ -90,6 +90,12 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token lacks K/V: a prompt (or a resumed output) is still being computed.
+        Between steps a decoding sequence has exactly its last, just-sampled token to compute."""
+        return self.num_computed_tokens + 1 < self.num_tokens
+
     def keep_output(self, num_tokens: int) -> None:
         """Drop output past num_tokens: what a finished sequence generated after its client's stream
         had already ended."""

@@ -14,9 +14,11 @@ Two gRPC paths, both authenticated with the cluster's credentials (metroserve.rp
   gateway's word that its request runs). Output for a gateway that has not subscribed yet waits in
   its outbox.
 
-Steps run on the event loop's thread; between two steps the StepSink hands over the outputs, and
-the next step waits (at most SEND_WAIT_S) until every subscribed gateway's stream took them, so
-tokens leave as they are made rather than in bursts, and a stalled gateway cannot stop the engine.
+Decode steps run on the event loop's thread; a step that computes prompt tokens runs in the
+engine's step thread, so heartbeats and tokens still leave during a prefill that takes seconds.
+Between two steps the StepSink hands over the outputs, and the next step waits (at most
+SEND_WAIT_S) until every subscribed gateway's stream took them, so tokens leave as they are made
+rather than in bursts, and a stalled gateway cannot stop the engine.
 
 If the scheduler's stream breaks (the scheduler restarts), running placements go on streaming to
 their gateways; the worker redials and its Register lists them, and the new scheduler adopts them.

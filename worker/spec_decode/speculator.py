@@ -69,8 +69,8 @@ class Speculator:
         self._planned = seqs
 
     def _lookahead(self, seq: Sequence) -> int:
-        if seq.num_computed_tokens != seq.num_tokens - 1:
-            return 0  # still prefilling (or resuming after preemption)
+        if seq.is_prefilling:
+            return 0  # the prompt (or a preempted sequence's recompute) comes first
         if seq.spec_pause > 0:
             seq.spec_pause -= 1
             return 0
