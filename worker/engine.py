@@ -251,7 +251,7 @@ class LLMEngine:
     def next_step_computes_prompt(self) -> bool:
         """Whether the next step may compute prompt tokens: a request waits, or a running one is
         still in its prefill (a later chunk, or a migrated request's resume). Such a step can take
-        seconds on a CPU (2,048 tokens of SmolLM2-135M: 6.5 s on one Zen 3 core); a decode step
+        seconds on a CPU (2,048 tokens of SmolLM2-135M: 6.5 s on one Zen 2 core); a decode step
         computes one token (plus drafts) per sequence. O(running sequences)."""
         b = self.batcher
         return bool(b.waiting) or any(s.is_prefilling for s in b.running)
